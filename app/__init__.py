@@ -1,0 +1,1 @@
+"""dedloc portal and coordinator."""

@@ -1,0 +1,123 @@
+"""The ``dedloc`` command for operators and organizers: migrate, create-run, serve, coordinator, demo.
+
+Errors end as one line on stderr and the exit code of the error class (``errors.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+
+from .config import Settings
+from .errors import DedlocError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dedloc", description="dedloc portal and coordinator")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("migrate", help="bring the database schema to the newest version")
+
+    create = commands.add_parser("create-run", help="create a training run")
+    create.add_argument("slug", help="short name used in URLs, e.g. sahajbert")
+    create.add_argument("--title", help="human title (default: the slug)")
+    create.add_argument("--task", default="tiny-lm", help="task plugin name or module:Class")
+    create.add_argument("--target-batch-size", type=int, default=4096, help="samples per collaboration step")
+    create.add_argument("--batch-size", type=int, default=16, help="samples per local mini-step")
+    create.add_argument("--task-options", type=json.loads, default={}, help="JSON object of task options")
+    create.add_argument("--optimizer", type=json.loads, default={}, help="JSON object of optimizer options")
+    create.add_argument("--if-missing", action="store_true", help="succeed quietly when the run exists")
+
+    serve = commands.add_parser("serve", help="run the web portal")
+    serve.add_argument("--host", help="bind address (default from DEDLOC_HOST)")
+    serve.add_argument("--port", type=int, help="port (default from DEDLOC_PORT)")
+
+    coordinator = commands.add_parser("coordinator", help="run a run's coordinator (bootstrap peer and monitor)")
+    coordinator.add_argument("--run", required=True, help="the run's slug")
+    coordinator.add_argument("--listen", help="multiaddr to listen on (default: as last time, else a free port)")
+
+    demo = commands.add_parser("demo", help="portal, coordinator and two local workers, until Ctrl-C")
+    demo.add_argument("--workers", type=int, default=2)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = Settings()
+    try:
+        return COMMANDS[args.command](args, settings) or 0
+    except DedlocError as e:
+        print(f"dedloc: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+def cmd_migrate(args, settings: Settings) -> None:
+    from .db import migrate
+
+    migrate(settings.resolved_database_url)
+    print("database is at the newest schema")
+
+
+def cmd_create_run(args, settings: Settings) -> None:
+    from pydantic import ValidationError
+
+    from . import runs
+    from .db import make_engine, make_sessionmaker, migrate
+    from .errors import Invalid
+
+    migrate(settings.resolved_database_url)
+    with make_sessionmaker(make_engine(settings.resolved_database_url))() as session:
+        if args.if_missing and any(run.slug == args.slug for run in runs.list_runs(session)):
+            print(f"run {args.slug!r} already exists")
+            return
+        try:
+            run = runs.create_run(
+                session, slug=args.slug, title=args.title or args.slug, task=args.task,
+                target_batch_size=args.target_batch_size, batch_size=args.batch_size,
+                task_options=args.task_options, optimizer=args.optimizer,
+            )
+        except ValidationError as e:
+            raise Invalid(f"bad optimizer options: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+    print(f"created run {run.slug!r}")
+
+
+def cmd_serve(args, settings: Settings) -> None:
+    import uvicorn
+
+    from .db import migrate
+    from .web.main import create_app
+
+    settings = settings.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v})
+    migrate(settings.resolved_database_url)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, timeout_graceful_shutdown=2,
+                log_level="warning")
+
+
+def cmd_coordinator(args, settings: Settings) -> None:
+    from .coordinator.node import CoordinatorNode
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    CoordinatorNode(settings, args.run, args.listen).serve(stop)
+
+
+def cmd_demo(args, settings: Settings) -> None:
+    from .demo import run_demo
+
+    run_demo(settings, args.workers)
+
+
+COMMANDS = {
+    "migrate": cmd_migrate,
+    "create-run": cmd_create_run,
+    "serve": cmd_serve,
+    "coordinator": cmd_coordinator,
+    "demo": cmd_demo,
+}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""The coordinator: the run's bootstrap peer and monitor. A separate process from the web portal."""

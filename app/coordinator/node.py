@@ -1,0 +1,97 @@
+"""The coordinator process: bootstrap peer with a persistent identity, polling the DHT into the database."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import hivemind
+from dedloc_worker.records import add_record_validators, read_metrics, read_progress
+from sqlalchemy.exc import SQLAlchemyError
+
+from .. import runs
+from ..accounting import SignedMetrics, credit_contributions, samples_total
+from ..config import Settings
+from ..db import make_engine, make_sessionmaker, migrate
+from ..snapshots import record_snapshot
+from .summary import PeerSeen, summarize
+
+logger = logging.getLogger("dedloc.coordinator")
+
+
+def default_listen(previous: list[str], host: str) -> str:
+    """Listen where the previous coordinator with this identity did, so workers' bootstrap addresses hold."""
+    for addr in previous:
+        parts = addr.split("/")
+        if len(parts) > 4 and parts[3] == "tcp":
+            return "/".join(parts[:5])
+    return f"/ip4/{host}/tcp/0"
+
+
+class CoordinatorNode:
+    """One run's coordinator. ``serve`` blocks until ``stop`` is set; the DHT is always shut down."""
+
+    def __init__(self, settings: Settings, slug: str, listen: str | None = None):
+        self.settings = settings
+        url = settings.resolved_database_url
+        migrate(url)
+        self.sessions = make_sessionmaker(make_engine(url))
+        with self.sessions() as session:
+            self.run = runs.get_run(session, slug)
+            self.config = runs.run_config(self.run)
+        self.identity = Path(settings.data_dir).resolve() / "identities" / f"{slug}.key"
+        self.identity.parent.mkdir(parents=True, exist_ok=True)
+        self.listen = listen
+
+    def serve(self, stop: threading.Event) -> None:
+        dht = hivemind.DHT(host_maddrs=[self._listen_addr()], identity_path=str(self.identity), start=True)
+        try:
+            add_record_validators(dht, self.config.run_id)
+            addrs = [str(addr) for addr in dht.get_visible_maddrs()]
+            with self.sessions() as session:
+                self.coordinator_id = runs.register_coordinator(session, self.run, str(dht.peer_id), addrs).id
+            logger.info("coordinator of %s up at %s", self.run.slug, addrs)
+            print(f"coordinator of run {self.run.slug!r} listening at {addrs[0]}", flush=True)
+            while not stop.is_set():
+                self.poll_once(dht)
+                stop.wait(self.settings.poll_interval)
+        finally:
+            self._mark_stopped()
+            dht.shutdown()
+
+    def _listen_addr(self) -> str:
+        if self.listen:
+            return self.listen
+        if not self.identity.exists():
+            return default_listen([], self.settings.host)
+        peer_id = hivemind.PeerID.from_identity(self.identity.read_bytes())
+        with self.sessions() as session:
+            return default_listen(runs.previous_multiaddrs(session, self.run, str(peer_id)), self.settings.host)
+
+    def poll_once(self, dht) -> None:
+        """Read progress and metrics from the DHT; credit new epochs, write a snapshot, refresh the heartbeat."""
+        max_age = self.config.optimizer.metadata_expiration
+        peers = [
+            PeerSeen(p.peer, p.progress.epoch, p.progress.samples_accumulated, p.progress.samples_per_second)
+            for p in read_progress(dht, self.config.run_id, max_age)
+        ]
+        metrics = [SignedMetrics(m.peer, m.record) for m in read_metrics(dht, self.config.run_id)]
+        try:
+            with self.sessions() as session:
+                credit_contributions(session, self.run, metrics)
+                fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
+                record_snapshot(session, self.run, **fields)
+                runs.heartbeat(session, self.coordinator_id)
+        except SQLAlchemyError as e:
+            # The records stay in the DHT for minutes: the next poll catches up.
+            logger.warning("database unavailable, will retry at the next poll: %s", e)
+
+    def _mark_stopped(self) -> None:
+        if getattr(self, "coordinator_id", None) is None:
+            return
+        try:
+            with self.sessions() as session:
+                runs.heartbeat(session, self.coordinator_id, alive=False)
+        except SQLAlchemyError:
+            pass

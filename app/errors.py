@@ -1,0 +1,21 @@
+"""Errors of the portal and coordinator, mapped to HTTP in ``web/errors.py`` and to exit codes in ``cli.py``.
+
+    DedlocError
+    ├── NotFound       a run (or other object) that does not exist (HTTP 404, exit 2)
+    └── Invalid        input that breaks a rule, e.g. a slug already taken (HTTP 422, exit 2)
+"""
+
+
+class DedlocError(Exception):
+    status_code = 400
+    exit_code = 1
+
+
+class NotFound(DedlocError):
+    status_code = 404
+    exit_code = 2
+
+
+class Invalid(DedlocError):
+    status_code = 422
+    exit_code = 2

@@ -1,0 +1,89 @@
+"""Database models. The schema changes only through Alembic migrations (migrations/)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timezone
+from typing import Any, Optional
+
+from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, MetaData, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+NAMING = {
+    "ix": "ix_%(column_0_label)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING)
+
+
+class Run(Base):
+    __tablename__ = "runs"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    slug: Mapped[str] = mapped_column(String(64), unique=True)
+    title: Mapped[str] = mapped_column(String(200))
+    task: Mapped[str] = mapped_column(String(200))
+    task_options: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    target_batch_size: Mapped[int] = mapped_column(Integer)
+    batch_size: Mapped[int] = mapped_column(Integer)
+    seed: Mapped[int] = mapped_column(Integer, default=0)
+    optimizer: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class Coordinator(Base):
+    """A coordinator process serving a run: the bootstrap peer workers are sent to."""
+
+    __tablename__ = "coordinators"
+    __table_args__ = (UniqueConstraint("run_id", "peer_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    peer_id: Mapped[str] = mapped_column(String(100))
+    multiaddrs: Mapped[list[str]] = mapped_column(JSON)
+    started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    heartbeat_at: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
+
+
+class Snapshot(Base):
+    """The swarm as the coordinator saw it at one poll."""
+
+    __tablename__ = "snapshots"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    taken_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    peers_online: Mapped[int] = mapped_column(Integer)
+    samples_per_second: Mapped[float] = mapped_column(Float)
+    epoch: Mapped[int] = mapped_column(Integer)
+    loss: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    samples_total: Mapped[int] = mapped_column(BigInteger)
+    samples_accumulated: Mapped[int] = mapped_column(BigInteger, default=0)
+    eta_seconds: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+
+
+class Contribution(Base):
+    """Samples one peer key put into one collaboration step. One row per (run, peer key, epoch), ever."""
+
+    __tablename__ = "contributions"
+    __table_args__ = (UniqueConstraint("run_id", "peer_key", "epoch"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    peer_key: Mapped[str] = mapped_column(String(64))
+    epoch: Mapped[int] = mapped_column(Integer)
+    username: Mapped[str] = mapped_column(String(100), index=True)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    loss_sum: Mapped[float] = mapped_column(Float)
+    mini_steps: Mapped[int] = mapped_column(Integer)
+    seconds: Mapped[float] = mapped_column(Float)
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

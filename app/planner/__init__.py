@@ -1,0 +1,38 @@
+"""Adaptive averaging planner: who aggregates which share of the gradient vector (DeDLOC, section 3.2).
+
+Pure Python over numpy and scipy: no torch, no hivemind. Bandwidths are bytes per second, sizes bytes, times
+seconds. ``plan_averaging`` solves the LP; the ``*_seconds`` functions model the strategies it is compared with;
+``Replanner`` decides when a new plan is worth publishing.
+"""
+
+from app.planner.hysteresis import Replanner
+from app.planner.lp import (
+    HOLD_BACK_FLOOR,
+    byteps_seconds,
+    equal_split_seconds,
+    hivemind_shares,
+    hivemind_split_seconds,
+    lower_bound_seconds,
+    parameter_server_seconds,
+    plan_averaging,
+    ring_allreduce_seconds,
+    round_seconds,
+)
+from app.planner.model import PeerProfile, Plan, PlanningError
+
+__all__ = [
+    "HOLD_BACK_FLOOR",
+    "PeerProfile",
+    "Plan",
+    "PlanningError",
+    "Replanner",
+    "byteps_seconds",
+    "equal_split_seconds",
+    "hivemind_shares",
+    "hivemind_split_seconds",
+    "lower_bound_seconds",
+    "parameter_server_seconds",
+    "plan_averaging",
+    "ring_allreduce_seconds",
+    "round_seconds",
+]

@@ -1,0 +1,96 @@
+"""When to replace the published averaging plan: hysteresis against churn and measurement noise."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+from app.planner.lp import plan_averaging, round_seconds
+from app.planner.model import PeerProfile, Plan, PlanningError
+
+
+class Replanner:
+    """Decides whether a freshly solved plan replaces the current one.
+
+    A new plan is solved when the peers differ from those of the last solve (a peer joined or left, or a peer's
+    measured profile changed), at most once per ``min_interval_s``. It is published only if it predicts a round
+    more than ``min_improvement`` faster than the current plan would take on the same peers (peers the current
+    plan does not name count with share zero, as hivemind would run them), so that noise in bandwidth
+    measurements never makes the swarm flip between near-equal plans. A current plan that names a peer that has
+    left is replaced at once, whatever the interval: a round planned around an absent peer cannot finish.
+
+    :param vector_bytes: size of the averaged vector, bytes
+    :param clock: returns the current time in seconds (``time.monotonic`` in production; tests pass their own)
+    :param min_improvement: fraction by which the predicted round time must drop to publish (0.05 is 5%)
+    :param min_interval_s: least seconds between two solves, unless a named peer has left
+    :param hold_back: model hivemind 1.1.12's hold-back of results for zero-share peers (see ``app.planner.lp``)
+    """
+
+    def __init__(
+        self,
+        *,
+        vector_bytes: float,
+        clock: Callable[[], float],
+        min_improvement: float = 0.05,
+        min_interval_s: float = 30.0,
+        hold_back: bool = True,
+    ) -> None:
+        if not 0.0 <= min_improvement < 1.0:
+            raise PlanningError(f"min_improvement is a fraction in [0, 1), got {min_improvement}")
+        if min_interval_s < 0:
+            raise PlanningError(f"min_interval_s must be >= 0 seconds, got {min_interval_s}")
+        self._vector_bytes = vector_bytes
+        self._clock = clock
+        self._min_improvement = min_improvement
+        self._min_interval_s = min_interval_s
+        self._hold_back = hold_back
+        self._current: Plan | None = None
+        self._solved_for: frozenset[PeerProfile] | None = None
+        self._solved_at = 0.0
+        self.last_reason = "no update yet"  # why the last update published or kept a plan, for logs
+
+    @property
+    def current(self) -> Plan | None:
+        """The plan published last, or None before the first ``update``."""
+        return self._current
+
+    def update(self, peers: Iterable[PeerProfile]) -> Plan | None:
+        """Consider the peers present now; returns the plan to publish, or None to keep the current one."""
+        peers = list(peers)
+        key = frozenset(peers)
+        if self._current is None:
+            return self._publish(self._solve(peers, key), "first plan")
+        if self._names_departed(peers):
+            return self._publish(self._solve(peers, key), "a peer named by the plan left")
+        if key == self._solved_for:
+            return self._keep("peers unchanged")
+        if self._clock() - self._solved_at < self._min_interval_s:
+            return self._keep("peers changed, but the last plan is too recent")
+        candidate = self._solve(peers, key)
+        if self._improves(candidate, peers):
+            return self._publish(candidate, "new plan is faster by more than the threshold")
+        return self._keep("new plan is not faster by more than the threshold")
+
+    def _solve(self, peers: list[PeerProfile], key: frozenset[PeerProfile]) -> Plan:
+        plan = plan_averaging(peers, self._vector_bytes, hold_back=self._hold_back)
+        self._solved_for, self._solved_at = key, self._clock()
+        return plan
+
+    def _names_departed(self, peers: list[PeerProfile]) -> bool:
+        assert self._current is not None
+        return not set(self._current.shares) <= {p.peer for p in peers}
+
+    def _improves(self, candidate: Plan, peers: list[PeerProfile]) -> bool:
+        assert self._current is not None
+        try:
+            current = round_seconds(peers, self._current.shares, self._vector_bytes, hold_back=self._hold_back)
+        except PlanningError:
+            return True  # the current shares no longer fit, e.g. an aggregator switched to client mode
+        return candidate.predicted_seconds < (1.0 - self._min_improvement) * current
+
+    def _publish(self, plan: Plan, reason: str) -> Plan:
+        self._current, self.last_reason = plan, reason
+        return plan
+
+    def _keep(self, reason: str) -> None:
+        self.last_reason = reason
+        return None

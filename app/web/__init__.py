@@ -1,0 +1,1 @@
+"""The portal web process. It never imports torch or hivemind (tests check ``sys.modules``)."""

@@ -1,0 +1,58 @@
+"""The portal's FastAPI application: ``create_app(settings)``."""
+
+from __future__ import annotations
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from fastapi.staticfiles import StaticFiles
+from fastapi.templating import Jinja2Templates
+from starlette.exceptions import HTTPException
+
+from ..config import Settings
+from ..db import ROOT, make_engine, make_sessionmaker
+from ..errors import DedlocError
+from . import api, live, metrics, pages
+
+
+def create_app(settings: Settings | None = None) -> FastAPI:
+    settings = settings or Settings()
+    app = FastAPI(title="dedloc", version="0.1.0")
+    app.state.settings = settings
+    app.state.sessions = make_sessionmaker(make_engine(settings.resolved_database_url))
+    app.state.templates = Jinja2Templates(directory=ROOT / "templates")
+    app.state.registry = metrics.make_registry(app.state.sessions)
+    app.mount("/static", StaticFiles(directory=ROOT / "app" / "static"), name="static")
+    for router in (api.router, live.router, metrics.router, pages.router):
+        app.include_router(router)
+    app.add_api_route("/healthz", lambda: {"status": "ok"}, methods=["GET"], include_in_schema=False)
+    add_error_handlers(app)
+    return app
+
+
+def wants_html(request: Request) -> bool:
+    return not request.url.path.startswith("/api/") and "text/html" in request.headers.get("accept", "")
+
+
+def add_error_handlers(app: FastAPI) -> None:
+    """One place maps errors to HTTP: JSON ``{"detail": reason}`` for the API, a page for browsers."""
+
+    def respond(request: Request, status: int, detail) -> object:
+        if wants_html(request) and isinstance(detail, str):
+            return app.state.templates.TemplateResponse(
+                request, "error.html", {"status": status, "detail": detail}, status_code=status
+            )
+        return JSONResponse({"detail": detail}, status_code=status)
+
+    @app.exception_handler(DedlocError)
+    async def dedloc_error(request: Request, exc: DedlocError):
+        return respond(request, exc.status_code, str(exc))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(request: Request, exc: HTTPException):
+        return respond(request, exc.status_code, exc.detail)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid_input(request: Request, exc: RequestValidationError):
+        reasons = [f"{'.'.join(str(p) for p in err['loc'])}: {err['msg']}" for err in exc.errors()]
+        return respond(request, 422, "; ".join(reasons))

@@ -1,0 +1,33 @@
+"""HTML pages: the runs, a run's live dashboard, its leaderboard."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import HTMLResponse
+
+from .. import accounting, runs
+from .deps import RunDep, SessionDep
+from .views import current_swarm
+
+router = APIRouter(default_response_class=HTMLResponse, include_in_schema=False)
+
+
+def render(request: Request, template: str, **context):
+    return request.app.state.templates.TemplateResponse(request, template, context)
+
+
+@router.get("/")
+def home(request: Request, session: SessionDep):
+    items = [(run, current_swarm(session, run)) for run in runs.list_runs(session)]
+    return render(request, "home.html", items=items)
+
+
+@router.get("/runs/{slug}")
+def dashboard(request: Request, run: RunDep, session: SessionDep):
+    return render(request, "dashboard.html", run=run, swarm=current_swarm(session, run),
+                  leaders=accounting.leaderboard(session, run, 10))
+
+
+@router.get("/runs/{slug}/leaderboard")
+def leaderboard(request: Request, run: RunDep, session: SessionDep):
+    return render(request, "leaderboard.html", run=run, leaders=accounting.leaderboard(session, run, 1000))

@@ -1,0 +1,89 @@
+"""The wire contract between the portal, the coordinator and the workers.
+
+Everything that crosses a process boundary is defined here, once: the run configuration the portal serves, the
+join answer, and the metrics record workers publish in the DHT. The portal imports this module; it must therefore
+never import torch or hivemind.
+
+The DHT record models use ``pydantic.v1`` because hivemind's ``SchemaValidator`` validates with pydantic v1;
+the HTTP models use pydantic v2 like the rest of the portal.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import pydantic.v1 as pydantic_v1
+from pydantic import BaseModel, Field
+
+API_PREFIX = "/api/v1"
+# How many past epochs a worker repeats in its metrics record, so a coordinator that was down or polled late
+# still sees every epoch while the record lives.
+RECENT_EPOCHS_KEPT = 32
+
+
+def progress_key(run_id: str) -> str:
+    """DHT key of hivemind's per-peer training progress records (written by ``hivemind.Optimizer``)."""
+    return f"{run_id}_progress"
+
+
+def metrics_key(run_id: str) -> str:
+    """DHT key of dedloc's per-peer metrics records (written by the worker, signed by its key)."""
+    return f"{run_id}_metrics"
+
+
+class OptimizerOptions(BaseModel):
+    """How the swarm averages. Times are seconds."""
+
+    lr: float = Field(3e-3, gt=0)
+    matchmaking_time: float = Field(0.5, gt=0)
+    averaging_timeout: float = Field(5.0, gt=0)
+    # Progress records of dead peers linger this long (seconds); short keeps survivors at full speed.
+    metadata_expiration: float = Field(15.0, gt=0)
+    delay_optimizer_step: bool = False
+    delay_grad_averaging: bool = False
+
+
+class RunConfig(BaseModel):
+    """A run as workers see it: what to train and how to average."""
+
+    slug: str
+    run_id: str = Field(description="hivemind run id: prefix of every DHT key of this run")
+    task: str = Field(description="task plugin name, or 'module:attr' of a Task class")
+    task_options: Dict[str, Any] = Field(default_factory=dict)
+    target_batch_size: int = Field(gt=0, description="samples per collaboration-wide optimizer step")
+    batch_size: int = Field(gt=0, description="samples per local mini-step")
+    seed: int = 0
+    optimizer: OptimizerOptions = Field(default_factory=OptimizerOptions)
+
+
+class JoinInfo(BaseModel):
+    """What ``GET /api/v1/runs/{slug}/join`` returns to a worker."""
+
+    config: RunConfig
+    initial_peers: List[str] = Field(description="multiaddrs of the run's coordinator(s); empty while none is up")
+
+
+class EpochContribution(pydantic_v1.BaseModel):
+    """Samples one peer accumulated into one collaboration step (epoch)."""
+
+    epoch: pydantic_v1.conint(ge=0, strict=True)
+    samples: pydantic_v1.conint(ge=0, strict=True)
+    loss_sum: pydantic_v1.StrictFloat
+    mini_steps: pydantic_v1.conint(ge=0, strict=True)
+    seconds: pydantic_v1.confloat(ge=0.0, strict=True)
+
+
+class MetricsRecord(pydantic_v1.BaseModel):
+    """A worker's signed metrics record; the DHT subkey is the worker's public key."""
+
+    username: pydantic_v1.StrictStr
+    epoch: pydantic_v1.conint(ge=0, strict=True)
+    samples_per_second: pydantic_v1.confloat(ge=0.0, strict=True)
+    time: pydantic_v1.StrictFloat
+    recent: List[EpochContribution]
+
+
+def mean_loss(contributions: List[EpochContribution]) -> Optional[float]:
+    """Mean loss per mini-step over contributions, or None when there are no mini-steps."""
+    steps = sum(c.mini_steps for c in contributions)
+    return sum(c.loss_sum for c in contributions) / steps if steps else None

@@ -1,0 +1,23 @@
+"""Errors of the worker, each mapped to one CLI exit code in ``cli.py``.
+
+    WorkerError
+    ├── ConfigError        the run or the command line names something that does not exist (exit 2)
+    ├── PortalError        the portal is unreachable or refused the request (exit 3)
+    └── TrainingError      training stopped: a bad task, non-finite parameters (exit 4)
+"""
+
+
+class WorkerError(Exception):
+    exit_code = 1
+
+
+class ConfigError(WorkerError):
+    exit_code = 2
+
+
+class PortalError(WorkerError):
+    exit_code = 3
+
+
+class TrainingError(WorkerError):
+    exit_code = 4

@@ -1,0 +1,43 @@
+"""Talking to the portal over HTTP: the only place the worker does."""
+
+from __future__ import annotations
+
+import time
+
+import httpx
+import pydantic
+
+from .contract import API_PREFIX, JoinInfo
+from .errors import ConfigError, PortalError
+
+
+def fetch_join_info(portal_url: str, slug: str, transport: httpx.BaseTransport | None = None) -> JoinInfo:
+    """The run's config and initial peers; ``ConfigError`` for an unknown run, ``PortalError`` otherwise."""
+    url = f"{portal_url.rstrip('/')}{API_PREFIX}/runs/{slug}/join"
+    try:
+        with httpx.Client(transport=transport, timeout=10) as client:
+            response = client.get(url)
+    except httpx.HTTPError as e:
+        raise PortalError(f"cannot reach the portal at {portal_url} ({e}); check the address and your network")
+    if response.status_code == 404:
+        raise ConfigError(f"the portal at {portal_url} has no run named {slug!r}; check the run's join page")
+    if response.status_code != 200:
+        raise PortalError(f"the portal answered {response.status_code} for {url}: {response.text[:200]}")
+    try:
+        return JoinInfo.model_validate_json(response.content)
+    except pydantic.ValidationError as e:
+        raise PortalError(f"the portal sent a run config this worker does not understand; upgrade dedloc-worker ({e})")
+
+
+def wait_for_peers(portal_url: str, slug: str, wait_seconds: float, say=print) -> JoinInfo:
+    """Fetch join info until the run has a coordinator online, for at most ``wait_seconds``."""
+    deadline = time.monotonic() + wait_seconds
+    info = fetch_join_info(portal_url, slug)
+    if not info.initial_peers:
+        say(f"waiting up to {wait_seconds:.0f} s for run {slug!r} to have a coordinator online...")
+    while not info.initial_peers:
+        if time.monotonic() > deadline:
+            raise PortalError(f"run {slug!r} has no coordinator online; ask its organizer, or retry later")
+        time.sleep(1.0)
+        info = fetch_join_info(portal_url, slug)
+    return info

@@ -1,0 +1,104 @@
+"""Signed DHT records of a run: hivemind's progress records and dedloc's metrics records.
+
+Writers sign with the process's RSA key (the record's subkey is the owner's public key, so no peer can overwrite
+another's record). Readers must register the same validators, or ``get`` on a signed key never resolves
+(hivemind-notes.md, pitfall 5): ``add_record_validators`` is the one place that does it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Dict, List, Optional
+
+import pydantic.v1 as pydantic_v1
+from hivemind import DHT
+from hivemind.utils import get_dht_time
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
+from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgressSchema
+
+from .contract import MetricsRecord, metrics_key, progress_key
+
+# How long a metrics record lives in the DHT (seconds): long enough for a coordinator restart to catch up.
+METRICS_TTL = 300.0
+
+
+class MetricsSchema(pydantic_v1.BaseModel):
+    metrics: Dict[BytesWithPublicKey, Optional[MetricsRecord]]
+
+
+def add_record_validators(dht: DHT, run_id: str, private_key=None) -> RSASignatureValidator:
+    """Register signature and schema validators for this run's records; returns the signature validator."""
+    signature = RSASignatureValidator(private_key)
+    dht.add_validators(
+        [
+            signature,
+            SchemaValidator(TrainingProgressSchema, prefix=run_id),
+            SchemaValidator(MetricsSchema, prefix=run_id),
+        ]
+    )
+    return signature
+
+
+def peer_fingerprint(subkey: bytes) -> str:
+    """A stable short name for a peer's public key (hex SHA-256 of the signed subkey)."""
+    return hashlib.sha256(subkey).hexdigest()
+
+
+def publish_metrics(dht: DHT, run_id: str, signature: RSASignatureValidator, record: MetricsRecord) -> bool:
+    """Store this peer's metrics record, signed with its key; True when the DHT accepted it."""
+    return bool(
+        dht.store(
+            key=metrics_key(run_id),
+            subkey=signature.local_public_key,
+            value=record.dict(),
+            expiration_time=get_dht_time() + METRICS_TTL,
+            return_future=False,
+        )
+    )
+
+
+@dataclass
+class PeerProgress:
+    peer: str  # fingerprint of the public key
+    progress: LocalTrainingProgress
+
+
+@dataclass
+class PeerMetrics:
+    peer: str
+    record: MetricsRecord
+
+
+def _entries(dht: DHT, key: str) -> Dict[bytes, object]:
+    found = dht.get(key, latest=True, return_future=False)
+    if found is None or not isinstance(found.value, dict):
+        return {}
+    return {subkey: entry.value for subkey, entry in found.value.items() if entry.value is not None}
+
+
+def read_progress(dht: DHT, run_id: str, max_age: float) -> List[PeerProgress]:
+    """Progress records of peers that reported within ``max_age`` seconds."""
+    now = get_dht_time()
+    peers = []
+    for subkey, value in _entries(dht, progress_key(run_id)).items():
+        try:
+            progress = LocalTrainingProgress.parse_obj(value)
+        except pydantic_v1.ValidationError:
+            continue
+        if now - progress.time <= max_age:
+            peers.append(PeerProgress(peer_fingerprint(subkey), progress))
+    return peers
+
+
+def read_metrics(dht: DHT, run_id: str) -> List[PeerMetrics]:
+    """Every live metrics record of the run, however old (crediting needs the late ones too)."""
+    records = []
+    for subkey, value in _entries(dht, metrics_key(run_id)).items():
+        try:
+            records.append(PeerMetrics(peer_fingerprint(subkey), MetricsRecord.parse_obj(value)))
+        except pydantic_v1.ValidationError:
+            continue
+    return records
+

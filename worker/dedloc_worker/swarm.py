@@ -1,0 +1,85 @@
+"""Joining a run's swarm: the DHT node and the collaborative optimizer, with hivemind's pitfalls handled.
+
+The pitfalls (../shared/hivemind-notes.md) and where each is handled:
+1. ``client_mode`` is passed to the Optimizer explicitly, always (``create_optimizer``).
+2. Gradient-averager options go through ``grad_averager_factory``, not ``averager_opts`` (``create_optimizer``).
+3. Child processes outliving a killed parent: the launcher ends the whole process group (``dedloc_worker.processes``).
+4. Exceptions in the training loop: ``trainer.train`` shuts the optimizer and the DHT down in ``finally``.
+5. Signed records need the validators registered on the reader too (``records.add_record_validators``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import List, Optional, Sequence
+
+import hivemind
+from hivemind.optim.grad_averager import GradientAverager
+
+from .contract import RunConfig
+
+
+def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, identity_path: Optional[str] = None):
+    """Start this process's DHT node (a child process plus its p2pd daemon) and wait until it is up."""
+    return hivemind.DHT(
+        initial_peers=list(initial_peers),
+        host_maddrs=[listen],
+        client_mode=client_mode,
+        identity_path=identity_path,
+        start=True,
+    )
+
+
+@dataclass
+class FinishedEpoch:
+    """One collaboration step this peer took part in: the epoch it closed and the samples it averaged in."""
+
+    epoch: int
+    samples: int
+
+
+class AccountedOptimizer(hivemind.Optimizer):
+    """``hivemind.Optimizer`` that remembers how many local samples went into each global step.
+
+    hivemind weights this peer's gradients by ``grad_averager.local_samples_accumulated`` when it averages, so
+    that number, read as the epoch closes, is exactly this peer's contribution to the step. Samples discarded
+    because the peer fell out of sync never reach it.
+    """
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.finished_epochs: List[FinishedEpoch] = []
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        epoch, samples = self.local_epoch, self.grad_averager.local_samples_accumulated
+        super()._update_global_epoch(grad_scaler)
+        self.finished_epochs.append(FinishedEpoch(epoch, samples))
+
+
+def create_optimizer(dht, config: RunConfig, params, client_mode: bool, verbose: bool = False):
+    """The run's collaborative optimizer over ``params``, configured from the run config."""
+    import torch
+
+    opt = config.optimizer
+    # hivemind warns (and can deadlock) when a request may outlive matchmaking; both averagers get this.
+    averager_opts = dict(request_timeout=opt.matchmaking_time / 2)
+    return AccountedOptimizer(
+        dht=dht,
+        run_id=config.run_id,
+        params=params,
+        optimizer=functools.partial(torch.optim.Adam, lr=opt.lr),
+        target_batch_size=config.target_batch_size,
+        batch_size_per_step=config.batch_size,
+        matchmaking_time=opt.matchmaking_time,
+        averaging_timeout=opt.averaging_timeout,
+        delay_optimizer_step=opt.delay_optimizer_step,
+        delay_grad_averaging=opt.delay_grad_averaging,
+        # Pitfall 1: a client-mode DHT with an implicit Optimizer client_mode crashes at the first epoch.
+        client_mode=client_mode,
+        # Pitfall 2: averager_opts reach only the state averager; the gradient averager gets them here.
+        grad_averager_factory=functools.partial(GradientAverager, **averager_opts),
+        averager_opts=averager_opts,
+        tracker_opts=dict(metadata_expiration=opt.metadata_expiration),
+        verbose=verbose,
+    )

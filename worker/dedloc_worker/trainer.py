@@ -1,0 +1,139 @@
+"""The training loop of one worker: local mini-steps, collaborative steps, signed metrics, progress display."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional
+
+import torch
+
+from .contract import RECENT_EPOCHS_KEPT, EpochContribution, MetricsRecord, RunConfig, mean_loss
+from .errors import TrainingError
+from .records import add_record_validators, publish_metrics
+from .swarm import create_optimizer
+
+
+@dataclass
+class EpochTally:
+    """Loss and time of the mini-steps taken while the local epoch was ``epoch``."""
+
+    epoch: int
+    loss_sum: float = 0.0
+    mini_steps: int = 0
+    started: float = field(default_factory=time.monotonic)
+
+
+@dataclass
+class TrainingResult:
+    contributions: List[EpochContribution]
+    final_epoch: int
+    state: dict
+
+
+@dataclass
+class Status:
+    """What the progress display shows after each mini-step."""
+
+    epoch: int
+    local_samples_per_second: float
+    swarm_samples_per_second: float
+    loss: Optional[float]
+    peers: int
+
+
+def swarm_samples_per_second(opt) -> float:
+    """The collaboration's throughput as hivemind's tracker estimates it (samples per second)."""
+    from hivemind.utils import get_dht_time
+
+    progress = opt.tracker.global_progress
+    remaining = progress.target_batch_size - progress.samples_accumulated
+    seconds_left = progress.eta_next_epoch - get_dht_time()
+    if remaining > 0 and 0 < seconds_left < float("inf"):
+        return remaining / seconds_left
+    return opt.tracker.performance_ema.samples_per_second
+
+
+def train(
+    dht,
+    config: RunConfig,
+    task,
+    username: str,
+    stop: threading.Event,
+    max_epochs: Optional[int] = None,
+    client_mode: bool = False,
+    on_status: Callable[[Status], None] = lambda status: None,
+) -> TrainingResult:
+    """Train until ``stop`` is set or the collaboration reaches ``max_epochs``; always leaves the swarm.
+
+    :returns: this peer's contributions (samples per epoch it took part in) and its final parameters
+    """
+    signature = add_record_validators(dht, config.run_id)
+    opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode)
+    contributions: deque = deque(maxlen=RECENT_EPOCHS_KEPT)
+    every_contribution: List[EpochContribution] = []
+    tally = EpochTally(opt.local_epoch)
+    try:
+        while not stop.is_set() and (max_epochs is None or opt.local_epoch < max_epochs):
+            loss = task.batch_loss(config.batch_size)
+            loss.backward()
+            if not math.isfinite(loss.item()):
+                raise TrainingError(f"the loss became {loss.item()}; the task or its learning rate is unstable")
+            tally.loss_sum += loss.item()
+            tally.mini_steps += 1
+            opt.step()
+            opt.zero_grad()
+            while opt.finished_epochs:
+                finished = opt.finished_epochs.pop(0)
+                contribution = close_epoch(tally, finished)
+                contributions.append(contribution)
+                every_contribution.append(contribution)
+                publish_metrics(dht, config.run_id, signature, metrics_record(username, opt, contributions))
+            if tally.epoch != opt.local_epoch:
+                tally = EpochTally(opt.local_epoch)  # a new epoch, or state reloaded: earlier samples were dropped
+            on_status(status_of(opt, contributions[-1] if contributions else None))
+        check_finite(task.model)
+        return TrainingResult(every_contribution, opt.local_epoch, {k: v.clone() for k, v in task.model.state_dict().items()})
+    finally:
+        opt.shutdown()
+
+
+def close_epoch(tally: EpochTally, finished) -> EpochContribution:
+    return EpochContribution(
+        epoch=finished.epoch,
+        samples=finished.samples,
+        loss_sum=float(tally.loss_sum),
+        mini_steps=tally.mini_steps,
+        seconds=round(time.monotonic() - tally.started, 3),
+    )
+
+
+def metrics_record(username: str, opt, contributions) -> MetricsRecord:
+    from hivemind.utils import get_dht_time
+
+    return MetricsRecord(
+        username=username,
+        epoch=opt.local_epoch,
+        samples_per_second=float(opt.tracker.performance_ema.samples_per_second),
+        time=get_dht_time(),
+        recent=list(contributions),
+    )
+
+
+def status_of(opt, last: Optional[EpochContribution]) -> Status:
+    return Status(
+        epoch=opt.local_epoch,
+        local_samples_per_second=float(opt.tracker.performance_ema.samples_per_second),
+        swarm_samples_per_second=float(swarm_samples_per_second(opt)),
+        loss=mean_loss([last]) if last else None,
+        peers=opt.tracker.global_progress.num_peers,
+    )
+
+
+def check_finite(model: torch.nn.Module) -> None:
+    for name, param in model.named_parameters():
+        if not torch.isfinite(param).all():
+            raise TrainingError(f"parameter {name} is not finite; the run's state is corrupt, restart from a checkpoint")
