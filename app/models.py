@@ -50,6 +50,8 @@ class Coordinator(Base):
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     peer_id: Mapped[str] = mapped_column(String(100))
     multiaddrs: Mapped[list[str]] = mapped_column(JSON)
+    # Addresses of workers it saw lately: after a restart it bootstraps from them (the swarm forgot it).
+    known_peers: Mapped[list[str]] = mapped_column(JSON, default=list)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     heartbeat_at: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
 

@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from dedloc_worker.cleanup import live_processes
+
 
 def spawn(args: Sequence[str], log: Path | None = None, env: dict | None = None, **kwargs) -> subprocess.Popen:
     """Start ``args`` as the leader of a new process group; output to ``log`` (appended) or inherited."""
@@ -29,19 +31,8 @@ def spawn(args: Sequence[str], log: Path | None = None, env: dict | None = None,
 
 
 def group_members(pgid: int) -> list[int]:
-    """Live (non-zombie) processes of group ``pgid``, read from /proc."""
-    members = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        state, group = fields[0], int(fields[2])
-        if group == pgid and state != "Z":
-            members.append(int(entry.name))
-    return members
+    """Live (non-zombie) processes of group ``pgid``."""
+    return [process.pid for process in live_processes() if process.group == pgid]
 
 
 def stop(proc: subprocess.Popen, grace: float = 10.0, sig: int = signal.SIGTERM) -> int | None:

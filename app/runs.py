@@ -87,24 +87,26 @@ def join_info(session: Session, run: Run, coordinator_timeout: float) -> JoinInf
 
 def register_coordinator(session: Session, run: Run, peer_id: str, multiaddrs: list[str]) -> Coordinator:
     """Record (or refresh) a coordinator of ``run``; a restart with the same identity reuses its row."""
-    row = session.scalar(select(Coordinator).where(Coordinator.run_id == run.id, Coordinator.peer_id == peer_id))
+    row = find_coordinator(session, run, peer_id)
     if row is None:
-        row = Coordinator(run_id=run.id, peer_id=peer_id, multiaddrs=multiaddrs)
+        row = Coordinator(run_id=run.id, peer_id=peer_id, multiaddrs=multiaddrs, known_peers=[])
         session.add(row)
     row.multiaddrs, row.started_at, row.heartbeat_at = multiaddrs, utcnow(), utcnow()
     session.commit()
     return row
 
 
-def previous_multiaddrs(session: Session, run: Run, peer_id: str) -> list[str]:
-    row = session.scalar(select(Coordinator).where(Coordinator.run_id == run.id, Coordinator.peer_id == peer_id))
-    return list(row.multiaddrs) if row else []
+def find_coordinator(session: Session, run: Run, peer_id: str) -> Optional[Coordinator]:
+    return session.scalar(select(Coordinator).where(Coordinator.run_id == run.id, Coordinator.peer_id == peer_id))
 
 
-def heartbeat(session: Session, coordinator_id: int, alive: bool = True) -> None:
+def heartbeat(session: Session, coordinator_id: int, alive: bool = True, known_peers: Optional[list[str]] = None):
+    """Mark a coordinator alive (or stopped), remembering the worker addresses it saw if given."""
     row = session.get(Coordinator, coordinator_id)
     if row is not None:
         row.heartbeat_at = utcnow() if alive else None
+        if known_peers:
+            row.known_peers = known_peers
         session.commit()
 
 

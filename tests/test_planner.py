@@ -85,6 +85,8 @@ def test_client_mode_peers_get_zero_even_when_fastest():
     assert plan.shares["pub-a"] + plan.shares["pub-b"] == pytest.approx(1.0)
     # a client pushes, then pulls (hold-back): the slow one alone takes V/u + V/d
     assert plan.predicted_seconds >= 2 * V / (10 * MBIT) - 1e-9
+    assert lower_bound_seconds(peers, V) == pytest.approx(2 * V / (10 * MBIT))
+    assert lower_bound_seconds(peers, V, hold_back=False) == pytest.approx(V / (10 * MBIT))
 
 
 def test_every_peer_in_client_mode_is_refused():
@@ -112,6 +114,26 @@ def test_reference_links_reproduce_bench_notes_model():
     assert hivemind_split_seconds(peers, V) == pytest.approx(3.2)  # slow peers push, then pull: 1.6 s + 1.6 s
     assert hivemind_split_seconds(peers, V) > equal_split_seconds(peers, V)
     assert plan_averaging(peers, V).predicted_seconds == pytest.approx(1.6, rel=HOLD_BACK_FLOOR)
+
+
+def test_round_time_model_known_answers():
+    senders = [peer(f"p{i}", 100) for i in range(4)]
+    equal = {p.peer: 0.25 for p in senders}
+    # each sender moves (1 + (n - 2) s) V bytes each way, both directions at once
+    assert round_seconds(senders, equal, V) == pytest.approx(1.5 * V / (100 * MBIT))
+    # an aux server with the whole vector moves n_s V each way; zero-share senders push, then pull
+    swarm = [peer("cpu", 100, aux=True)] + [peer(f"w{i}", 1000) for i in range(3)]
+    assert round_seconds(swarm, {"cpu": 1.0}, V, hold_back=False) == pytest.approx(3 * V / (100 * MBIT))
+    fast_swarm = [peer("cpu", 10_000, aux=True)] + [peer(f"w{i}", 1000, 500) for i in range(3)]
+    expected = V / (1000 * MBIT) + V / (500 * MBIT)
+    assert round_seconds(fast_swarm, {"cpu": 1.0}, V) == pytest.approx(expected)
+
+
+def test_hivemind_split_uses_the_binding_direction():
+    peers = [peer("asym", 400, 50)] + [peer(f"p{i}", 100) for i in range(3)]
+    shares = hivemind_shares(peers)
+    assert shares["asym"] == 0.0
+    assert [shares[f"p{i}"] for i in range(3)] == pytest.approx([1 / 3] * 3)
 
 
 def test_baselines_known_answers():

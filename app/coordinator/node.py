@@ -7,6 +7,8 @@ import threading
 from pathlib import Path
 
 import hivemind
+from hivemind.p2p import P2PDaemonError, PeerID
+from dedloc_worker.cleanup import end_descendants
 from dedloc_worker.records import add_record_validators, read_metrics, read_progress
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -18,6 +20,8 @@ from ..snapshots import record_snapshot
 from .summary import PeerSeen, summarize
 
 logger = logging.getLogger("dedloc.coordinator")
+# Worker addresses remembered for a restart; a few reachable ones are enough to rejoin the swarm.
+MAX_KNOWN_PEERS = 16
 
 
 def default_listen(previous: list[str], host: str) -> str:
@@ -45,7 +49,7 @@ class CoordinatorNode:
         self.listen = listen
 
     def serve(self, stop: threading.Event) -> None:
-        dht = hivemind.DHT(host_maddrs=[self._listen_addr()], identity_path=str(self.identity), start=True)
+        dht = self._start_dht()
         try:
             add_record_validators(dht, self.config.run_id)
             addrs = [str(addr) for addr in dht.get_visible_maddrs()]
@@ -59,15 +63,27 @@ class CoordinatorNode:
         finally:
             self._mark_stopped()
             dht.shutdown()
+            end_descendants()
 
-    def _listen_addr(self) -> str:
-        if self.listen:
-            return self.listen
-        if not self.identity.exists():
-            return default_listen([], self.settings.host)
-        peer_id = hivemind.PeerID.from_identity(self.identity.read_bytes())
-        with self.sessions() as session:
-            return default_listen(runs.previous_multiaddrs(session, self.run, str(peer_id)), self.settings.host)
+    def _start_dht(self):
+        """Listen where this identity listened before and bootstrap from the workers it saw then: after a
+        restart the swarm has dropped us from its routing tables, so we must call them, not wait for them."""
+        listen, known = f"/ip4/{self.settings.host}/tcp/0", []
+        if self.identity.exists():
+            peer_id = PeerID.from_identity(self.identity.read_bytes())
+            with self.sessions() as session:
+                previous = runs.find_coordinator(session, self.run, str(peer_id))
+                if previous is not None:
+                    listen, known = default_listen(previous.multiaddrs, self.settings.host), previous.known_peers
+        start = lambda peers: hivemind.DHT(
+            initial_peers=peers, host_maddrs=[self.listen or listen], identity_path=str(self.identity), start=True
+        )
+        if known:
+            try:
+                return start(known)
+            except P2PDaemonError:
+                logger.warning("none of the %d workers seen before answered; starting a new swarm", len(known))
+        return start([])
 
     def poll_once(self, dht) -> None:
         """Read progress and metrics from the DHT; credit new epochs, write a snapshot, refresh the heartbeat."""
@@ -77,12 +93,14 @@ class CoordinatorNode:
             for p in read_progress(dht, self.config.run_id, max_age)
         ]
         metrics = [SignedMetrics(m.peer, m.record) for m in read_metrics(dht, self.config.run_id)]
+        online = {p.peer_key for p in peers}
+        known_peers = [addr for m in metrics if m.peer_key in online for addr in m.record.addrs][:MAX_KNOWN_PEERS]
         try:
             with self.sessions() as session:
                 credit_contributions(session, self.run, metrics)
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
                 record_snapshot(session, self.run, **fields)
-                runs.heartbeat(session, self.coordinator_id)
+                runs.heartbeat(session, self.coordinator_id, known_peers=known_peers)
         except SQLAlchemyError as e:
             # The records stay in the DHT for minutes: the next poll catches up.
             logger.warning("database unavailable, will retry at the next poll: %s", e)

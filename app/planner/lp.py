@@ -249,9 +249,7 @@ def hivemind_shares(peers: Iterable[PeerProfile]) -> dict[str, float]:
     It minimises ``max_i (1 + (g - 2) w_i) / b_i`` over the peers with a non-zero bandwidth, where g counts every
     peer of the group and b_i is the single bandwidth a peer announces; here ``b_i = min(u_i, d_i)``, its binding
     direction. Client-mode peers announce 0 and get nothing. The rule ignores hold-back and aux peers' load, which
-    is why it gives slow peers exactly zero and loses to an equal split on mixed links. Among tied optima highs
-    picks a vertex where hivemind's old interior-point solver picked an interior point; the binding peers, and so
-    the round time, are the same.
+    is why it gives slow peers exactly zero and loses to an equal split on mixed links.
     """
     swarm = _Swarm(peers, 1.0)
     idx = np.flatnonzero(swarm.aggregates)
@@ -269,8 +267,23 @@ def hivemind_shares(peers: Iterable[PeerProfile]) -> dict[str, float]:
     if result.status != 0:
         raise PlanningError(f"hivemind's load-balancing LP has no solution: {result.message}")
     shares = np.zeros(group)
-    shares[idx] = np.clip(np.round(result.x[: idx.size], HIVEMIND_DECIMALS), 0.0, 1.0)
+    shares[idx] = _spread_over_optimal_face(result.x[-1], bandwidth, group)
     return swarm.shares_dict(shares / shares.sum())
+
+
+def _spread_over_optimal_face(optimum: float, bandwidth: np.ndarray, group: int) -> np.ndarray:
+    """Among the tied optima of hivemind's LP, shares proportional to each peer's headroom at the optimum.
+
+    hivemind solved its LP with scipy's old interior-point method, which lands inside the optimal face, not on a
+    vertex: every peer with headroom gets some share and only the peers the optimum pins at zero get none.
+    highs returns a vertex, which would starve (and so hold back) peers hivemind would not; spreading the vector
+    by headroom keeps hivemind's choice of which peers get zero.
+    """
+    if group <= 2:
+        headroom = np.ones_like(bandwidth)  # with two peers the shares change nobody's load
+    else:
+        headroom = np.clip((optimum * bandwidth - 1.0) / (group - 2.0), 0.0, 1.0)
+    return np.round(headroom / headroom.sum(), HIVEMIND_DECIMALS)
 
 
 def hivemind_split_seconds(peers: Iterable[PeerProfile], vector_bytes: float, *, hold_back: bool = True) -> float:

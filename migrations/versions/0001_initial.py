@@ -53,6 +53,7 @@ def upgrade() -> None:
     sa.Column('run_id', sa.Integer(), nullable=False),
     sa.Column('peer_id', sa.String(length=100), nullable=False),
     sa.Column('multiaddrs', sa.JSON(), nullable=False),
+    sa.Column('known_peers', sa.JSON(), nullable=False),
     sa.Column('started_at', sa.DateTime(timezone=True), nullable=False),
     sa.Column('heartbeat_at', sa.DateTime(timezone=True), nullable=True),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], name=op.f('fk_coordinators_run_id_runs'), ondelete='CASCADE'),

@@ -81,6 +81,9 @@ class MetricsRecord(pydantic_v1.BaseModel):
     samples_per_second: pydantic_v1.confloat(ge=0.0, strict=True)
     time: pydantic_v1.StrictFloat
     recent: List[EpochContribution]
+    # Where this peer accepts connections (empty for client-mode peers): a restarted coordinator bootstraps
+    # from these. Never shown on public pages.
+    addrs: List[pydantic_v1.StrictStr] = []
 
 
 def mean_loss(contributions: List[EpochContribution]) -> Optional[float]:

@@ -3,7 +3,8 @@
     WorkerError
     ├── ConfigError        the run or the command line names something that does not exist (exit 2)
     ├── PortalError        the portal is unreachable or refused the request (exit 3)
-    └── TrainingError      training stopped: a bad task, non-finite parameters (exit 4)
+    ├── TrainingError      training stopped: a bad task, non-finite parameters (exit 4)
+    └── SwarmError         no peer of the run could be reached (exit 5)
 """
 
 
@@ -21,3 +22,7 @@ class PortalError(WorkerError):
 
 class TrainingError(WorkerError):
     exit_code = 4
+
+
+class SwarmError(WorkerError):
+    exit_code = 5

@@ -72,6 +72,7 @@ def train(
     :returns: this peer's contributions (samples per epoch it took part in) and its final parameters
     """
     signature = add_record_validators(dht, config.run_id)
+    addrs = [] if client_mode else [str(addr) for addr in dht.get_visible_maddrs()]
     opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode)
     contributions: deque = deque(maxlen=RECENT_EPOCHS_KEPT)
     every_contribution: List[EpochContribution] = []
@@ -91,7 +92,7 @@ def train(
                 contribution = close_epoch(tally, finished)
                 contributions.append(contribution)
                 every_contribution.append(contribution)
-                publish_metrics(dht, config.run_id, signature, metrics_record(username, opt, contributions))
+                publish_metrics(dht, config.run_id, signature, metrics_record(username, opt, contributions, addrs))
             if tally.epoch != opt.local_epoch:
                 tally = EpochTally(opt.local_epoch)  # a new epoch, or state reloaded: earlier samples were dropped
             on_status(status_of(opt, contributions[-1] if contributions else None))
@@ -111,7 +112,7 @@ def close_epoch(tally: EpochTally, finished) -> EpochContribution:
     )
 
 
-def metrics_record(username: str, opt, contributions) -> MetricsRecord:
+def metrics_record(username: str, opt, contributions, addrs: List[str]) -> MetricsRecord:
     from hivemind.utils import get_dht_time
 
     return MetricsRecord(
@@ -120,6 +121,7 @@ def metrics_record(username: str, opt, contributions) -> MetricsRecord:
         samples_per_second=float(opt.tracker.performance_ema.samples_per_second),
         time=get_dht_time(),
         recent=list(contributions),
+        addrs=addrs,
     )
 
 

@@ -1,0 +1,183 @@
+"""A real deployment on loopback for tests: portal, coordinator and workers as separate processes.
+
+Every process gets its own process group and an environment tag; ``close`` ends them all and then kills anything
+still carrying the tag, so hivemind's DHT, averager and p2pd children never outlive a test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+from typing import Callable
+
+import httpx
+from sqlalchemy import func, select
+
+from app.db import make_engine, make_sessionmaker
+from app.models import Contribution
+from app.processes import kill_group, spawn, stop
+
+TAG = "DEDLOC_TEST_TAG"
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def tagged_processes(tag: str) -> list[int]:
+    """Live processes whose environment carries ``DEDLOC_TEST_TAG=tag``."""
+    needle = f"{TAG}={tag}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            if needle in (entry / "environ").read_bytes().split(b"\0") and "Z" != _state(entry):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
+
+def _state(entry: Path) -> str:
+    return (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.5):
+    """Poll ``check`` until it returns something truthy; fail the test with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            value = check()
+        except httpx.HTTPError:
+            value = None
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+        time.sleep(interval)
+
+
+class Deployment:
+    """Portal + coordinator + workers of one run, in ``workdir``; logs under ``logs``."""
+
+    def __init__(self, workdir: Path, logs: Path, slug: str = "test"):
+        self.workdir, self.logs, self.slug = workdir, logs, slug
+        logs.mkdir(parents=True, exist_ok=True)
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.tag = uuid.uuid4().hex
+        self.env = {
+            "DEDLOC_DATA_DIR": str(workdir / "var"),
+            "DEDLOC_PORT": str(self.port),
+            "DEDLOC_POLL_INTERVAL": "1",
+            "DEDLOC_LIVE_INTERVAL": "0.5",
+            "DATABASE_URL": "",
+            TAG: self.tag,
+        }
+        self.database_url = f"sqlite:///{workdir / 'var' / 'dedloc.sqlite3'}"
+        self.processes: dict[str, subprocess.Popen] = {}
+
+    # processes -------------------------------------------------------------------------------------------
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        proc = spawn([sys.executable, *args], log=self.logs / f"{name}.log", env=self.env, cwd=self.workdir)
+        self.processes[name] = proc
+        return proc
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "app.cli", *args], env={**os.environ, **self.env},
+                              cwd=self.workdir, capture_output=True, text=True, timeout=120)
+
+    def create_run(self, target_batch_size: int = 2048, batch_size: int = 16, **optimizer) -> None:
+        options = {"matchmaking_time": 1.0, "averaging_timeout": 10.0, "metadata_expiration": 10.0, **optimizer}
+        done = self.cli("create-run", self.slug, "--target-batch-size", str(target_batch_size),
+                        "--batch-size", str(batch_size), "--optimizer", json.dumps(options))
+        assert done.returncode == 0, done.stderr
+
+    def start_portal(self) -> None:
+        self.start("portal", "-m", "app.cli", "serve")
+        wait_for(lambda: httpx.get(f"{self.url}/healthz").status_code == 200, 60, "the portal")
+
+    def start_coordinator(self, name: str = "coordinator") -> subprocess.Popen:
+        proc = self.start(name, "-m", "app.cli", "coordinator", "--run", self.slug)
+        return proc
+
+    def wait_for_coordinator(self) -> list[str]:
+        return wait_for(lambda: self.get(f"/api/v1/runs/{self.slug}/join")["initial_peers"], 90, "a coordinator")
+
+    def start_worker(self, username: str, *extra: str) -> subprocess.Popen:
+        return self.start(
+            username, "-m", "dedloc_worker", "join", self.url, "--run", self.slug, "--username", username,
+            "--listen", "/ip4/127.0.0.1/tcp/0", "--report", str(self.report_path(username)),
+            "--state-out", str(self.workdir / f"{username}.pt"), *extra,
+        )
+
+    def report_path(self, username: str) -> Path:
+        return self.workdir / f"{username}.json"
+
+    def report(self, username: str) -> dict:
+        return json.loads(self.report_path(username).read_text())
+
+    def wait_exit(self, name: str, timeout: float) -> int:
+        return self.processes[name].wait(timeout)
+
+    def stop(self, name: str, sig: int = signal.SIGTERM) -> int | None:
+        return stop(self.processes[name], sig=sig)
+
+    def kill(self, name: str) -> None:
+        """SIGKILL the leader only, as a crash would; its children are left for ``reap`` to find."""
+        self.processes[name].send_signal(signal.SIGKILL)
+        self.processes[name].wait(10)
+
+    def reap(self, name: str) -> None:
+        kill_group(self.processes[name].pid)
+
+    def close(self) -> None:
+        for proc in reversed(list(self.processes.values())):
+            stop(proc, grace=10)
+        for pid in tagged_processes(self.tag):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+    # reading -----------------------------------------------------------------------------------------------
+    def get(self, path: str):
+        response = httpx.get(f"{self.url}{path}", timeout=10)
+        response.raise_for_status()
+        return response.json()
+
+    def swarm(self) -> dict:
+        return self.get(f"/api/v1/runs/{self.slug}/swarm")
+
+    def credited_by_user(self) -> dict[str, int]:
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                rows = session.execute(
+                    select(Contribution.username, func.sum(Contribution.samples)).group_by(Contribution.username)
+                )
+                return {username: int(samples) for username, samples in rows}
+        finally:
+            engine.dispose()
+
+    def rows_per_epoch(self) -> list[tuple[str, int, int]]:
+        """(peer key, epoch, count) for every credited pair: a count above 1 would be double counting."""
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                query = select(Contribution.peer_key, Contribution.epoch, func.count()).group_by(
+                    Contribution.peer_key, Contribution.epoch
+                )
+                return [tuple(row) for row in session.execute(query)]
+        finally:
+            engine.dispose()
