@@ -44,12 +44,15 @@ def credit_contributions(session: Session, run: Run, seen: Iterable[SignedMetric
     if not rows:
         return 0
     dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
-    statement = dialect.insert(Contribution).values(list(rows.values())).on_conflict_do_nothing(
-        index_elements=["run_id", "peer_key", "epoch"]
+    statement = (
+        dialect.insert(Contribution)
+        .values(list(rows.values()))
+        .on_conflict_do_nothing(index_elements=["run_id", "peer_key", "epoch"])
+        .returning(Contribution.id)
     )
-    result = session.execute(statement)
+    inserted = len(session.execute(statement).all())
     session.commit()
-    return max(result.rowcount, 0)
+    return inserted
 
 
 def samples_total(session: Session, run: Run) -> int:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from contextlib import asynccontextmanager
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
@@ -17,9 +19,16 @@ from . import api, live, metrics, pages
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    app = FastAPI(title="dedloc", version="0.1.0")
+    engine = make_engine(settings.resolved_database_url)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        yield
+        engine.dispose()
+
+    app = FastAPI(title="dedloc", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
-    app.state.sessions = make_sessionmaker(make_engine(settings.resolved_database_url))
+    app.state.sessions = make_sessionmaker(engine)
     app.state.templates = Jinja2Templates(directory=ROOT / "templates")
     app.state.registry = metrics.make_registry(app.state.sessions)
     app.mount("/static", StaticFiles(directory=ROOT / "app" / "static"), name="static")
