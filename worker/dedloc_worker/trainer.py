@@ -79,8 +79,11 @@ def train(
     tally = EpochTally(opt.local_epoch)
     try:
         while not stop.is_set() and (max_epochs is None or opt.local_epoch < max_epochs):
-            loss = task.batch_loss(config.batch_size)
-            loss.backward()
+            try:
+                loss = task.batch_loss(config.batch_size)
+                loss.backward()
+            except Exception as e:  # a task is a plugin: say which one failed, in one line
+                raise TrainingError(f"task {config.task!r} failed: {type(e).__name__}: {e}") from e
             if not math.isfinite(loss.item()):
                 raise TrainingError(f"the loss became {loss.item()}; the task or its learning rate is unstable")
             tally.loss_sum += loss.item()

@@ -1,0 +1,63 @@
+"""A real browser (Playwright driving Debian's Chromium) on the dashboard of a running `dedloc demo`."""
+
+from __future__ import annotations
+
+import signal
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.harness import tagged_processes, wait_for
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
+                 "--disable-sync", "--no-first-run", "--disable-quic"]
+
+pytestmark = [
+    pytest.mark.swarm,
+    pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed (apt-get install chromium)"),
+]
+
+
+@pytest.fixture
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        yield browser
+        browser.close()
+
+
+def counter(page) -> int:
+    return int(page.locator("#samples_total").inner_text().replace(",", ""))
+
+
+def test_the_dashboard_of_a_running_demo_moves_without_a_reload(deployment, browser, output_dir):
+    demo = deployment.start("demo", "-m", "app.cli", "demo")
+    url = f"{deployment.url}/runs/demo"
+    wait_for(lambda: deployment.get("/api/v1/runs/demo/swarm")["samples_total"] > 0, 150, "the demo to credit samples")
+
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    navigations = []
+    page.on("framenavigated", lambda frame: navigations.append(frame.url))
+    page.goto(url)
+    first = counter(page)
+    page.wait_for_function(f"Number(document.querySelector('#samples_total').textContent) > {first}", timeout=60_000)
+    assert counter(page) > first
+    assert navigations == [url], "the page reloaded"
+    assert page.locator("#live-state").inner_text() == "· live"
+    page.wait_for_timeout(1500)  # let the charts draw a few points
+    page.screenshot(path=str(output_dir / "dashboard.png"), full_page=True)
+    assert "alice" in page.locator("table.leaders").inner_text()
+
+    # Ctrl-C ends the demo and everything it started; a second run in the same folder comes up again.
+    demo.send_signal(signal.SIGINT)
+    assert demo.wait(60) == 0
+    wait_for(lambda: not tagged_processes(deployment.tag), 15, "every demo process to end")
+    again = deployment.start("demo-again", "-m", "app.cli", "demo")
+    before = wait_for(lambda: deployment.get("/api/v1/runs/demo/swarm")["samples_total"], 150, "the second demo")
+    wait_for(lambda: deployment.get("/api/v1/runs/demo/swarm")["samples_total"] > before, 120, "the second demo to train")
+    again.send_signal(signal.SIGINT)
+    assert again.wait(60) == 0

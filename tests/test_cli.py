@@ -1,0 +1,75 @@
+"""Command-line errors are one line that says what to do, with a distinct exit code; never a traceback."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from tests.harness import free_port
+
+
+def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **(env or {})})
+
+
+def one_line(stderr: str) -> str:
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1, stderr
+    assert "Traceback" not in stderr
+    return lines[0]
+
+
+def test_worker_with_an_unreachable_portal():
+    done = run("-m", "dedloc_worker", "join", f"http://127.0.0.1:{free_port()}", "--run", "demo")
+    assert done.returncode == 3
+    assert "cannot reach the portal" in one_line(done.stderr)
+
+
+def test_worker_with_an_unknown_run(deployment):
+    deployment.create_run()
+    deployment.start_portal()
+    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", "no-such-run")
+    assert done.returncode == 2
+    assert "has no run named 'no-such-run'" in one_line(done.stderr)
+
+
+def test_worker_without_a_coordinator_gives_up_with_a_reason(deployment):
+    deployment.create_run()
+    deployment.start_portal()
+    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", deployment.slug, "--wait", "1")
+    assert done.returncode == 3
+    assert "has no coordinator online" in done.stderr.splitlines()[-1]
+
+
+def test_create_run_refuses_a_bad_slug(tmp_path):
+    done = run("-m", "app.cli", "create-run", "Not A Slug", env={"DEDLOC_DATA_DIR": str(tmp_path)})
+    assert done.returncode == 2
+    assert "must be lowercase letters" in one_line(done.stderr)
+
+
+def test_create_run_refuses_bad_optimizer_options(tmp_path):
+    done = run("-m", "app.cli", "create-run", "ok", "--optimizer", '{"lr": -1}', env={"DEDLOC_DATA_DIR": str(tmp_path)})
+    assert done.returncode == 2
+    assert "bad optimizer options: lr" in one_line(done.stderr)
+
+
+def test_create_run_is_idempotent_when_asked(tmp_path):
+    env = {"DEDLOC_DATA_DIR": str(tmp_path)}
+    assert run("-m", "app.cli", "create-run", "twice", env=env).returncode == 0
+    again = run("-m", "app.cli", "create-run", "twice", env=env)
+    assert again.returncode == 2 and "already exists" in one_line(again.stderr)
+    assert run("-m", "app.cli", "create-run", "twice", "--if-missing", env=env).returncode == 0
+
+
+def test_demo_refuses_a_taken_port(tmp_path):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        done = run("-m", "app.cli", "demo", env={"DEDLOC_DATA_DIR": str(tmp_path), "DEDLOC_PORT": str(port)})
+    assert done.returncode == 1
+    assert f"port {port} on 127.0.0.1 is taken" in one_line(done.stderr)
