@@ -90,7 +90,7 @@ def test_a_slug_too_long_is_refused_not_crashed(client):
 
 def test_pages_render_the_run(client):
     home = client.get("/")
-    assert home.status_code == 200 and "Demo run" in home.text
+    assert home.status_code == 200 and "Demo run" in home.text and "800 samples" in home.text
     dashboard = client.get("/runs/demo")
     assert dashboard.status_code == 200 and 'id="samples_total"' in dashboard.text and "alice" in dashboard.text
     board = client.get("/runs/demo/leaderboard")

@@ -44,7 +44,9 @@ def test_the_dashboard_of_a_running_demo_moves_without_a_reload(deployment, brow
     page.on("framenavigated", lambda frame: navigations.append(frame.url))
     page.goto(url)
     first = counter(page)
-    page.wait_for_function(f"Number(document.querySelector('#samples_total').textContent) > {first}", timeout=60_000)
+    page.wait_for_function(
+        f"Number(document.querySelector('#samples_total').textContent.replaceAll(',', '')) > {first}", timeout=60_000
+    )
     assert counter(page) > first
     assert navigations == [url], "the page reloaded"
     assert page.locator("#live-state").inner_text() == "· live"

@@ -4,6 +4,7 @@
   const slug = root.dataset.slug;
   const maxPoints = 300;
   const fmt = {
+    samples_total: (v) => v.toLocaleString("en-US"),
     samples_per_second: (v) => v.toFixed(0),
     loss: (v) => (v === null ? "–" : v.toFixed(3)),
     eta_seconds: (v) => (v === null ? "–" : v.toFixed(0) + " s"),
@@ -38,7 +39,31 @@
       const el = document.getElementById(id);
       if (el) el.textContent = fmt[id] ? fmt[id](swarm[id]) : swarm[id];
     }
-    document.getElementById("updated_at").textContent = swarm.updated_at || "never";
+    document.getElementById("updated_at").textContent =
+      swarm.updated_at ? new Date(swarm.updated_at).toLocaleTimeString() : "never";
+  }
+
+  // Credit changes once per epoch: refresh the contributors' table when the epoch moves.
+  const leaders = document.getElementById("leaders");
+  let shownEpoch = null;
+  function refreshLeaders(epoch) {
+    if (!leaders || epoch === shownEpoch) return;
+    shownEpoch = epoch;
+    fetch(`/api/v1/runs/${slug}/leaderboard?limit=10`).then((r) => r.json()).then((rows) => {
+      const body = leaders.querySelector("tbody") || leaders;
+      body.replaceChildren(...rows.map((row, i) => {
+        const tr = document.createElement("tr");
+        const cells = [i + 1, row.username, row.samples.toLocaleString("en-US"),
+                       `${row.runtime_seconds.toFixed(0)} s`, row.peers];
+        cells.forEach((value, column) => {
+          const td = document.createElement("td");
+          td.textContent = value;
+          if (column > 1) td.className = "num";
+          tr.appendChild(td);
+        });
+        return tr;
+      }));
+    });
   }
 
   let last = null;
@@ -55,6 +80,7 @@
   source.addEventListener("swarm", (event) => {
     const swarm = JSON.parse(event.data);
     show(swarm);
+    refreshLeaders(swarm.epoch);
     if (swarm.updated_at && swarm.updated_at !== last) {
       last = swarm.updated_at;
       addPoint(swarm);
