@@ -25,6 +25,22 @@ class Settings(BaseSettings):
     # Seconds between two server-sent updates of a dashboard.
     live_interval: float = Field(2.0, gt=0)
 
+    # Signs session cookies and encrypts runs' authority keys at rest. Empty: a random key kept in
+    # data_dir/secret.key (fine for one machine; set it explicitly when several portals share a database).
+    secret_key: str = ""
+    # OpenID Connect provider (Hugging Face by default). Without a client id, only the loopback-only
+    # development sign-in is offered.
+    oidc_issuer: str = "https://huggingface.co"
+    oidc_client_id: str = ""
+    oidc_client_secret: str = ""
+    oidc_scopes: str = "openid profile"
+    # Usernames that may create runs, change admission, ban and unban.
+    organizers: list[str] = Field(default_factory=list)
+    # Peer tokens: lifetime (seconds), and per-account limits.
+    peer_token_lifetime: float = Field(3600.0, gt=0)
+    peer_token_requests_per_minute: int = Field(30, gt=0)
+    max_concurrent_peers: int = Field(8, gt=0)
+
     @property
     def resolved_database_url(self) -> str:
         return self.database_url or f"sqlite:///{(self.data_dir / 'dedloc.sqlite3').resolve()}"
