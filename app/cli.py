@@ -30,6 +30,17 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--optimizer", type=json.loads, default={}, help="JSON object of optimizer options")
     create.add_argument("--if-missing", action="store_true", help="succeed quietly when the run exists")
 
+    credential = commands.add_parser("issue-credential",
+                                     help="print a worker API credential for USERNAME (headless machines, demo)")
+    credential.add_argument("username")
+
+    for verb in ("ban", "unban"):
+        ban = commands.add_parser(verb, help=f"{verb} a user from a run (reaches running peers within a minute)")
+        ban.add_argument("slug")
+        ban.add_argument("username")
+        if verb == "ban":
+            ban.add_argument("--reason", default="", help="shown to the user")
+
     serve = commands.add_parser("serve", help="run the web portal")
     serve.add_argument("--host", help="bind address (default from DEDLOC_HOST)")
     serve.add_argument("--port", type=int, help="port (default from DEDLOC_PORT)")
@@ -83,6 +94,39 @@ def cmd_create_run(args, settings: Settings) -> None:
     print(f"created run {run.slug!r}")
 
 
+def open_session(settings: Settings):
+    from .db import make_engine, make_sessionmaker, migrate
+
+    migrate(settings.resolved_database_url)
+    return make_sessionmaker(make_engine(settings.resolved_database_url))()
+
+
+def cmd_issue_credential(args, settings: Settings) -> None:
+    from .auth.accounts import issue_credential, sign_in_locally
+
+    with open_session(settings) as session:
+        user = sign_in_locally(session, username=args.username)
+        secret = issue_credential(session, user_id=user.id, client_name="dedloc issue-credential")
+        session.commit()
+    print(secret)
+
+
+def cmd_ban(args, settings: Settings) -> None:
+    from . import runs, tokens
+
+    with open_session(settings) as session:
+        tokens.ban_user(session, runs.get_run(session, args.slug), args.username, "operator", args.reason)
+    print(f"{args.username} is banned from {args.slug}")
+
+
+def cmd_unban(args, settings: Settings) -> None:
+    from . import runs, tokens
+
+    with open_session(settings) as session:
+        tokens.unban_user(session, runs.get_run(session, args.slug), args.username)
+    print(f"{args.username} may join {args.slug} again")
+
+
 def cmd_serve(args, settings: Settings) -> None:
     import uvicorn
 
@@ -113,6 +157,9 @@ def cmd_demo(args, settings: Settings) -> None:
 COMMANDS = {
     "migrate": cmd_migrate,
     "create-run": cmd_create_run,
+    "issue-credential": cmd_issue_credential,
+    "ban": cmd_ban,
+    "unban": cmd_unban,
     "serve": cmd_serve,
     "coordinator": cmd_coordinator,
     "demo": cmd_demo,

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import signal
+import subprocess
 import sys
 import threading
 import time
 
 import httpx
+
+from dedloc_worker.join import CREDENTIAL_ENV
 
 from .config import Settings
 from .errors import DedlocError
@@ -36,6 +39,14 @@ def wait_until(check, timeout: float, what: str, started, done: threading.Event)
         raise DedlocError(f"{what} did not come up within {timeout:.0f} s; see the messages above")
 
 
+def issue_credential(py: str, username: str) -> str:
+    """A worker credential for a local volunteer, as an operator issues one for a headless machine."""
+    done = subprocess.run([py, "-m", "app.cli", "issue-credential", username], capture_output=True, text=True)
+    if done.returncode != 0:
+        raise DedlocError(f"could not issue a credential for {username}: {done.stderr.strip()}")
+    return done.stdout.strip()
+
+
 def port_free(host: str, port: int) -> bool:
     import socket
 
@@ -62,8 +73,9 @@ def run_demo(settings: Settings, workers: int) -> None:
         wait_until(lambda: httpx.get(f"{url}/api/v1/runs/{DEMO_RUN}/join").json()["initial_peers"], 60,
                    "the portal and the coordinator", started, done)
         for name in VOLUNTEERS[:workers] if not done.is_set() else []:
-            started.append(spawn([py, "-m", "dedloc_worker", "join", url, "--run", DEMO_RUN, "--username", name,
-                                  "--listen", "/ip4/127.0.0.1/tcp/0"]))
+            credential = issue_credential(py, name)
+            started.append(spawn([py, "-m", "dedloc_worker", "join", url, "--run", DEMO_RUN,
+                                  "--listen", "/ip4/127.0.0.1/tcp/0"], env={CREDENTIAL_ENV: credential}))
         print(f"\n  dedloc demo is running: open {url}/runs/{DEMO_RUN}\n  Ctrl-C stops everything.\n", flush=True)
         while not done.wait(1.0):
             check_alive(started)

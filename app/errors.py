@@ -2,7 +2,9 @@
 
     DedlocError
     ├── NotFound       a run (or other object) that does not exist (HTTP 404, exit 2)
-    └── Invalid        input that breaks a rule, e.g. a slug already taken (HTTP 422, exit 2)
+    ├── Invalid        input that breaks a rule, e.g. a slug already taken (HTTP 422, exit 2)
+    ├── Forbidden      a user the run does not admit: banned, not allowlisted (HTTP 403, exit 2)
+    └── TooManyRequests  past a per-account limit; says when to retry (HTTP 429 + Retry-After)
 """
 
 
@@ -19,3 +21,16 @@ class NotFound(DedlocError):
 class Invalid(DedlocError):
     status_code = 422
     exit_code = 2
+
+
+class Forbidden(DedlocError):
+    status_code = 403
+    exit_code = 2
+
+
+class TooManyRequests(DedlocError):
+    status_code = 429
+
+    def __init__(self, message: str, retry_after: float):
+        super().__init__(message)
+        self.retry_after = retry_after

@@ -5,7 +5,19 @@ from __future__ import annotations
 from datetime import datetime, timezone
 from typing import Any, Optional
 
-from sqlalchemy import JSON, BigInteger, DateTime, Float, ForeignKey, Integer, MetaData, String, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    Text,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 NAMING = {
@@ -19,6 +31,11 @@ NAMING = {
 
 def utcnow() -> datetime:
     return datetime.now(timezone.utc)
+
+
+def as_utc(moment: datetime) -> datetime:
+    """SQLite hands back naive datetimes for timezone-aware columns; everything is written in UTC."""
+    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
 class Base(DeclarativeBase):
@@ -38,6 +55,11 @@ class Run(Base):
     seed: Mapped[int] = mapped_column(Integer, default=0)
     optimizer: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Who may get peer tokens: "open" (any signed-in user), "allowlist", or "org" (members of admission_org).
+    admission: Mapped[str] = mapped_column(String(20), default="open")
+    admission_org: Mapped[Optional[str]] = mapped_column(String(100), nullable=True)
+    # The run's token authority: RSA private key, encrypted with the portal's secret key (Fernet).
+    authority_key_encrypted: Mapped[Optional[bytes]] = mapped_column(LargeBinary, nullable=True)
 
 
 class Coordinator(Base):
@@ -89,3 +111,38 @@ class Contribution(Base):
     mini_steps: Mapped[int] = mapped_column(Integer)
     seconds: Mapped[float] = mapped_column(Float)
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class PeerTokenRecord(Base):
+    """Every peer token ever issued: what turns a DHT record's key into a user's credit."""
+
+    __tablename__ = "peer_tokens"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    username: Mapped[str] = mapped_column(String(100), index=True)
+    peer_public_key: Mapped[str] = mapped_column(Text)
+    peer_id: Mapped[str] = mapped_column(String(100), index=True)
+    issued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
+
+
+class RunBan(Base):
+    __tablename__ = "run_bans"
+    __table_args__ = (UniqueConstraint("run_id", "username"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    username: Mapped[str] = mapped_column(String(100))
+    reason: Mapped[str] = mapped_column(String(500), default="")
+    banned_by: Mapped[str] = mapped_column(String(100))
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+
+
+class RunAllowlistEntry(Base):
+    __tablename__ = "run_allowlist"
+    __table_args__ = (UniqueConstraint("run_id", "username"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    username: Mapped[str] = mapped_column(String(100))

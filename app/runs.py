@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta
+from datetime import timedelta
 from typing import Any, Optional
 
 from dedloc_worker.contract import JoinInfo, OptimizerOptions, RunConfig
@@ -11,7 +11,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from .errors import Invalid, NotFound
-from .models import Coordinator, Run, utcnow
+from .models import Coordinator, Run, as_utc, utcnow
 
 SLUG = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
 
@@ -77,7 +77,7 @@ def run_config(run: Run) -> RunConfig:
 def live_coordinators(session: Session, run: Run, timeout: float) -> list[Coordinator]:
     since = utcnow() - timedelta(seconds=timeout)
     rows = session.scalars(select(Coordinator).where(Coordinator.run_id == run.id))
-    return [row for row in rows if row.heartbeat_at and _aware(row.heartbeat_at) >= since]
+    return [row for row in rows if row.heartbeat_at and as_utc(row.heartbeat_at) >= since]
 
 
 def join_info(session: Session, run: Run, coordinator_timeout: float) -> JoinInfo:
@@ -109,9 +109,3 @@ def heartbeat(session: Session, coordinator_id: int, alive: bool = True, known_p
             row.known_peers = known_peers
         session.commit()
 
-
-def _aware(moment: datetime) -> datetime:
-    """SQLite returns naive datetimes for timezone-aware columns; they were written in UTC."""
-    from datetime import timezone
-
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)

@@ -20,6 +20,8 @@ from typing import Callable
 import httpx
 from sqlalchemy import func, select
 
+from dedloc_worker.join import CREDENTIAL_ENV
+
 from app.db import make_engine, make_sessionmaker
 from app.models import Contribution
 from app.processes import kill_group, spawn, stop
@@ -114,12 +116,22 @@ class Deployment:
     def wait_for_coordinator(self) -> list[str]:
         return wait_for(lambda: self.get(f"/api/v1/runs/{self.slug}/join")["initial_peers"], 90, "a coordinator")
 
+    def credential(self, username: str) -> str:
+        """A worker API credential for ``username`` (signed up on first use), as an operator issues one."""
+        done = self.cli("issue-credential", username)
+        assert done.returncode == 0, done.stderr
+        return done.stdout.strip()
+
     def start_worker(self, username: str, *extra: str) -> subprocess.Popen:
-        return self.start(
-            username, "-m", "dedloc_worker", "join", self.url, "--run", self.slug, "--username", username,
-            "--listen", "/ip4/127.0.0.1/tcp/0", "--report", str(self.report_path(username)),
-            "--state-out", str(self.workdir / f"{username}.pt"), *extra,
+        proc = spawn(
+            [sys.executable, "-m", "dedloc_worker", "join", self.url, "--run", self.slug,
+             "--listen", "/ip4/127.0.0.1/tcp/0", "--report", str(self.report_path(username)),
+             "--state-out", str(self.workdir / f"{username}.pt"), *extra],
+            log=self.logs / f"{username}.log", env={**self.env, CREDENTIAL_ENV: self.credential(username)},
+            cwd=self.workdir,
         )
+        self.processes[username] = proc
+        return proc
 
     def report_path(self, username: str) -> Path:
         return self.workdir / f"{username}.json"

@@ -6,6 +6,8 @@ import os
 import subprocess
 import sys
 
+from dedloc_worker.join import CREDENTIAL_ENV
+
 from tests.harness import free_port
 
 
@@ -38,7 +40,8 @@ def test_worker_with_an_unknown_run(deployment):
 def test_worker_without_a_coordinator_gives_up_with_a_reason(deployment):
     deployment.create_run()
     deployment.start_portal()
-    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", deployment.slug, "--wait", "1")
+    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", deployment.slug, "--wait", "1",
+               env={CREDENTIAL_ENV: deployment.credential("alice")})
     assert done.returncode == 3
     assert "has no coordinator online" in done.stderr.splitlines()[-1]
 
@@ -73,3 +76,22 @@ def test_demo_refuses_a_taken_port(tmp_path):
         done = run("-m", "app.cli", "demo", env={"DEDLOC_DATA_DIR": str(tmp_path), "DEDLOC_PORT": str(port)})
     assert done.returncode == 1
     assert f"port {port} on 127.0.0.1 is taken" in one_line(done.stderr)
+
+
+def test_worker_with_a_revoked_credential_is_told_to_log_in_again(deployment):
+    deployment.create_run()
+    deployment.start_portal()
+    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", deployment.slug,
+               env={CREDENTIAL_ENV: "dedloc_not-a-credential"})
+    assert done.returncode == 6
+    assert "dedloc-worker login" in one_line(done.stderr)
+
+
+def test_a_banned_user_is_refused_a_token_with_the_reason(deployment):
+    deployment.create_run()
+    deployment.start_portal()
+    credential = deployment.credential("mallory")
+    assert deployment.cli("ban", deployment.slug, "mallory", "--reason", "spam").returncode == 0
+    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", deployment.slug, env={CREDENTIAL_ENV: credential})
+    assert done.returncode == 6
+    assert "mallory is banned from run 'test'" in one_line(done.stderr)

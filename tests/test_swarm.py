@@ -39,7 +39,7 @@ def start_swarm(deployment, workers: list[str], *worker_args: str) -> None:
 
 
 def test_two_workers_train_one_model_and_every_sample_is_credited(deployment):
-    start_swarm(deployment, ["alice", "bob"], "--max-epochs", "4")
+    start_swarm(deployment, ["alice", "bob"], "--max-epochs", "5")
     for name in ("alice", "bob"):
         assert deployment.wait_exit(name, timeout=180) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]
 
@@ -48,10 +48,10 @@ def test_two_workers_train_one_model_and_every_sample_is_credited(deployment):
     assert worst < 1e-5, f"parameters differ by {worst}"
 
     for name in ("alice", "bob"):
-        report = deployment.report(name)
-        assert report["final_epoch"] >= 4
-        losses = epoch_losses(deployment, name)
-        assert losses[-1] < losses[0], f"{name}'s loss did not fall: {losses}"
+        assert deployment.report(name)["final_epoch"] >= 5
+    # alice founded the run, so her first epoch is the collaboration's first; bob joined later.
+    first, last = epoch_losses(deployment, "alice")[0], epoch_losses(deployment, "bob")[-1]
+    assert last < first, f"the loss did not fall: {first} -> {last}"
 
     # Exact: the worker's report and the DHT record carry the same number, the weight hivemind averaged with.
     expected = {name: reported_samples(deployment, name) for name in ("alice", "bob")}
@@ -60,7 +60,7 @@ def test_two_workers_train_one_model_and_every_sample_is_credited(deployment):
 
     swarm = deployment.swarm()
     assert swarm["samples_total"] == sum(expected.values())
-    assert swarm["epoch"] >= 4 and swarm["target_batch_size"] == 3072
+    assert swarm["epoch"] >= 5 and swarm["target_batch_size"] == 3072
     board = deployment.get(f"/api/v1/runs/{deployment.slug}/leaderboard")
     assert {row["username"]: row["samples"] for row in board} == expected
     assert [row["samples"] for row in board] == sorted(expected.values(), reverse=True)

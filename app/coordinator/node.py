@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import logging
+import shutil
+import tempfile
 import threading
 from pathlib import Path
 
 import hivemind
 from hivemind.p2p import P2PDaemonError, PeerID
+from hivemind.utils.crypto import RSAPrivateKey
 from dedloc_worker.cleanup import end_descendants
-from dedloc_worker.records import add_record_validators, read_metrics, read_progress
+from dedloc_worker.admission import AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, to_access_token
+from dedloc_worker.records import add_record_validators, publish_denylist, read_metrics, read_progress
 from sqlalchemy.exc import SQLAlchemyError
 
-from .. import runs
+from .. import runs, tokens
 from ..accounting import SignedMetrics, credit_contributions, samples_total
 from ..config import Settings
 from ..db import make_engine, make_sessionmaker, migrate
@@ -49,9 +53,21 @@ class CoordinatorNode:
         self.listen = listen
 
     def serve(self, stop: threading.Event) -> None:
-        dht = self._start_dht()
+        folder = Path(tempfile.mkdtemp(prefix="dedloc-coordinator-"))
+        key = RSAPrivateKey.process_wide()
+        public_key = key.get_public_key().to_bytes()
+        with self.sessions() as session:
+            run = runs.get_run(session, self.run.slug)
+            check = TokenCheck(tokens.authority_public_key(session, self.settings, run))
+        state = AdmissionState(folder)
+        state.write_token(to_access_token(self._service_token(public_key)))
+        dht = self._start_dht(RunAuthorizer(check, state, key))
+        keeper = None
         try:
-            add_record_validators(dht, self.config.run_id)
+            self.signature = add_record_validators(dht, self.config.run_id, key)
+            keeper = AdmissionKeeper(dht, self.config.run_id, state, check, self.signature,
+                                     lambda: self._service_token(public_key), stop)
+            keeper.start()
             addrs = [str(addr) for addr in dht.get_visible_maddrs()]
             with self.sessions() as session:
                 self.coordinator_id = runs.register_coordinator(session, self.run, str(dht.peer_id), addrs).id
@@ -62,10 +78,18 @@ class CoordinatorNode:
                 stop.wait(self.settings.poll_interval)
         finally:
             self._mark_stopped()
+            if keeper is not None:
+                keeper.halt()
             dht.shutdown()
             end_descendants()
+            shutil.rmtree(folder, ignore_errors=True)
 
-    def _start_dht(self):
+    def _service_token(self, public_key: bytes):
+        with self.sessions() as session:
+            return tokens.issue_service_token(session, self.settings, runs.get_run(session, self.run.slug),
+                                              public_key, "coordinator")
+
+    def _start_dht(self, authorizer):
         """Listen where this identity listened before and bootstrap from the workers it saw then: after a
         restart the swarm has dropped us from its routing tables, so we must call them, not wait for them."""
         listen, known = f"/ip4/{self.settings.host}/tcp/0", []
@@ -75,8 +99,9 @@ class CoordinatorNode:
                 previous = runs.find_coordinator(session, self.run, str(peer_id))
                 if previous is not None:
                     listen, known = default_listen(previous.multiaddrs, self.settings.host), previous.known_peers
-        start = lambda peers: hivemind.DHT(
-            initial_peers=peers, host_maddrs=[self.listen or listen], identity_path=str(self.identity), start=True
+        start = lambda peers: hivemind.DHT(  # noqa: E731
+            initial_peers=peers, host_maddrs=[self.listen or listen], identity_path=str(self.identity),
+            authorizer=authorizer, start=True,
         )
         if known:
             try:
@@ -97,6 +122,7 @@ class CoordinatorNode:
         known_peers = [addr for m in metrics if m.peer_key in online for addr in m.record.addrs][:MAX_KNOWN_PEERS]
         try:
             with self.sessions() as session:
+                denylist = tokens.signed_denylist(session, self.settings, runs.get_run(session, self.run.slug))
                 credit_contributions(session, self.run, metrics)
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
                 record_snapshot(session, self.run, **fields)
@@ -104,6 +130,8 @@ class CoordinatorNode:
         except SQLAlchemyError as e:
             # The records stay in the DHT for minutes: the next poll catches up.
             logger.warning("database unavailable, will retry at the next poll: %s", e)
+            return
+        publish_denylist(dht, self.config.run_id, self.signature, denylist)
 
     def _mark_stopped(self) -> None:
         if getattr(self, "coordinator_id", None) is None:

@@ -14,7 +14,12 @@ from starlette.exceptions import HTTPException
 from ..config import Settings
 from ..db import ROOT, make_engine, make_sessionmaker
 from ..errors import DedlocError
-from . import api, live, metrics, pages
+from ..auth.deps import csrf_token
+from ..auth.errors import SignInRequired
+from ..auth.oidc import make_oauth
+from ..secrets import secret_key
+from . import auth_routes
+from . import api, live, metrics, pages, peer_tokens
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -32,7 +37,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.templates = Jinja2Templates(directory=ROOT / "templates")
     app.state.registry = metrics.make_registry(app.state.sessions)
     app.mount("/static", StaticFiles(directory=ROOT / "app" / "static"), name="static")
-    for router in (api.router, live.router, metrics.router, pages.router):
+    # identity (app/auth): signed session cookies, the OpenID Connect client, sign-in redirects, form tokens
+    app.add_middleware(auth_routes.SessionCookies, secret_key=secret_key(settings))
+    app.state.oauth = make_oauth(settings)
+    app.state.templates.env.globals["csrf_token"] = csrf_token
+    app.add_exception_handler(SignInRequired, auth_routes.sign_in_first)
+    app.include_router(auth_routes.router)
+    for router in (api.router, peer_tokens.router, live.router, metrics.router, pages.router):
         app.include_router(router)
     app.add_api_route("/healthz", lambda: {"status": "ok"}, methods=["GET"], include_in_schema=False)
     add_error_handlers(app)
@@ -55,7 +66,10 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(DedlocError)
     async def dedloc_error(request: Request, exc: DedlocError):
-        return respond(request, exc.status_code, str(exc))
+        response = respond(request, exc.status_code, str(exc))
+        if getattr(exc, "retry_after", None):
+            response.headers["Retry-After"] = str(int(exc.retry_after + 0.999))
+        return response
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):

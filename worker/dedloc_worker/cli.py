@@ -3,25 +3,26 @@
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
 import os
 import signal
 import sys
 import threading
-import time
 from pathlib import Path
 
-from .errors import SwarmError, WorkerError
+from .errors import WorkerError
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dedloc-worker", description="Train a dedloc run with your machine.")
     commands = parser.add_subparsers(dest="command", required=True)
+    login = commands.add_parser("login", help="sign this machine in to a portal (approve a code in your browser)")
+    login.add_argument("portal", help="the portal's address")
+    logout = commands.add_parser("logout", help="forget this machine's sign-in to a portal")
+    logout.add_argument("portal", help="the portal's address")
     join = commands.add_parser("join", help="join a run and train until stopped (Ctrl-C leaves cleanly)")
     join.add_argument("portal", help="the portal's address, e.g. https://dedloc.example.org")
     join.add_argument("--run", required=True, help="the run's slug, as shown on its join page")
-    join.add_argument("--username", default=getpass.getuser(), help="name credited on the leaderboard (demo identity)")
     join.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", help="multiaddr to accept peers on")
     join.add_argument("--client", action="store_true", help="behind NAT: do not accept incoming connections")
     join.add_argument("--max-epochs", type=int, help="leave once the collaboration reaches this epoch")
@@ -38,7 +39,7 @@ def main(argv=None) -> int:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
     try:
-        code = run_join(args, stop)
+        code = COMMANDS[args.command](args, stop)
     except WorkerError as e:
         print(f"dedloc-worker: {e}", file=sys.stderr)
         code = e.exit_code
@@ -49,61 +50,42 @@ def main(argv=None) -> int:
     os._exit(code)
 
 
-def run_join(args, stop: threading.Event) -> int:
-    # Heavy imports here, after the command line is known to be valid: `--help` stays instant.
-    import torch
+def run_and_report(args, stop: threading.Event) -> int:
+    from .join import run_join
 
-    from .cleanup import end_descendants
-    from .portal import wait_for_peers
-    from .progress import ProgressDisplay
-    from .tasks import load_task_class
-    from .trainer import train
-
-    torch.set_num_threads(args.threads)
-    deadline = time.monotonic() + args.wait
-    info = wait_for_peers(args.portal, args.run, args.wait)
-    config = info.config
-    task = load_task_class(config.task)(config.task_options, config.seed)
-    print(f"joining run {config.slug!r} as {args.username}: task {config.task}, "
-          f"global batch {config.target_batch_size} samples", flush=True)
-    try:
-        dht = join_swarm(args, info, deadline)
-        try:
-            with ProgressDisplay() as display:
-                result = train(dht, config, task, args.username, stop, args.max_epochs, args.client, display.update)
-        finally:
-            dht.shutdown()
-    finally:
-        end_descendants()
+    result = run_join(args, stop)
     write_outputs(args, result)
     print(f"left the swarm at epoch {result.final_epoch}; "
           f"contributed {sum(c.samples for c in result.contributions)} samples", flush=True)
     return 0
 
 
-def join_swarm(args, info, deadline: float):
-    """Start the DHT node; while the run's peers are unreachable (a coordinator restarting), ask the portal
-    again until ``deadline``."""
-    from hivemind.p2p import P2PDaemonError
+def run_login(args, stop) -> int:
+    from .login import device_login, save_credential
 
-    from .portal import wait_for_peers
-    from .swarm import create_dht
+    credential = device_login(args.portal)
+    path = save_credential(credential)
+    print(f"signed in to {args.portal} as {credential.username}; credential saved in {path}")
+    return 0
 
-    while True:
-        try:
-            return create_dht(info.initial_peers, args.listen, args.client)
-        except P2PDaemonError as e:
-            if time.monotonic() > deadline:
-                raise SwarmError(f"cannot reach any peer of run {args.run!r} ({e}); retry in a minute") from None
-            print("the run's coordinator is unreachable; asking the portal again...", flush=True)
-            time.sleep(2.0)
-            info = wait_for_peers(args.portal, args.run, max(deadline - time.monotonic(), 1.0))
+
+def run_logout(args, stop) -> int:
+    from .login import forget_credential
+
+    if forget_credential(args.portal):
+        print(f"forgot this machine's sign-in to {args.portal}")
+    else:
+        print(f"this machine was not signed in to {args.portal}")
+    return 0
+
+
+COMMANDS = {"join": run_and_report, "login": run_login, "logout": run_logout}
 
 
 def write_outputs(args, result) -> None:
     if args.report:
         report = {
-            "username": args.username,
+            "username": result.username,
             "final_epoch": result.final_epoch,
             "contributions": [c.dict() for c in result.contributions],
         }

@@ -90,3 +90,48 @@ def mean_loss(contributions: List[EpochContribution]) -> Optional[float]:
     """Mean loss per mini-step over contributions, or None when there are no mini-steps."""
     steps = sum(c.mini_steps for c in contributions)
     return sum(c.loss_sum for c in contributions) / steps if steps else None
+
+
+# --- Peer tokens ---------------------------------------------------------------------------------------------
+# A peer token is hivemind's AccessToken{username, public_key, expiration_time, signature}: the run's authority
+# signs "username public_key expiration_time" with RSA-PSS/SHA-256 (hivemind's own signature scheme), the
+# signature base64-encoded. public_key is the peer's RSA key in OpenSSH format (what hivemind expects);
+# expiration_time is naive UTC in ISO 8601 (seconds).
+
+
+def tokens_key(run_id: str) -> str:
+    """DHT key where every peer publishes its current token (subkey: its public key)."""
+    return f"{run_id}_tokens"
+
+
+def denylist_key(run_id: str) -> str:
+    """DHT key of the run's signed denylist, published by the coordinator."""
+    return f"{run_id}_denylist"
+
+
+def token_payload(username: str, public_key: bytes, expiration_time: str) -> bytes:
+    return b" ".join([username.encode(), public_key, expiration_time.encode()])
+
+
+def denylist_payload(usernames: List[str], issued_at: float) -> bytes:
+    return ("denylist " + repr(float(issued_at)) + " " + ",".join(sorted(usernames))).encode()
+
+
+class PeerTokenRequest(BaseModel):
+    public_key: str = Field(description="the worker's RSA public key, OpenSSH format", max_length=2000)
+
+
+class PeerToken(BaseModel):
+    username: str
+    public_key: str = Field(description="OpenSSH format")
+    expiration_time: str = Field(description="naive UTC, ISO 8601")
+    signature: str = Field(description="base64 RSA-PSS signature by the run's authority")
+
+
+class PeerTokenGrant(BaseModel):
+    """What ``POST /api/v1/runs/{slug}/peer-tokens`` returns."""
+
+    token: PeerToken
+    authority_public_key: str = Field(description="the run's authority key, OpenSSH format")
+    lifetime_seconds: float
+    join: JoinInfo

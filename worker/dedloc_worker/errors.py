@@ -4,7 +4,8 @@
     ├── ConfigError        the run or the command line names something that does not exist (exit 2)
     ├── PortalError        the portal is unreachable or refused the request (exit 3)
     ├── TrainingError      training stopped: a bad task, non-finite parameters (exit 4)
-    └── SwarmError         no peer of the run could be reached (exit 5)
+    ├── SwarmError         no peer of the run could be reached (exit 5)
+    └── AdmissionError     the run refused this worker: not signed in, banned, not allowlisted, limits (exit 6)
 """
 
 
@@ -26,3 +27,7 @@ class TrainingError(WorkerError):
 
 class SwarmError(WorkerError):
     exit_code = 5
+
+
+class AdmissionError(WorkerError):
+    exit_code = 6

@@ -7,8 +7,8 @@ import time
 import httpx
 import pydantic
 
-from .contract import API_PREFIX, JoinInfo
-from .errors import ConfigError, PortalError
+from .contract import API_PREFIX, JoinInfo, PeerTokenGrant, PeerTokenRequest
+from .errors import AdmissionError, ConfigError, PortalError
 
 
 def fetch_join_info(portal_url: str, slug: str, transport: httpx.BaseTransport | None = None) -> JoinInfo:
@@ -41,3 +41,32 @@ def wait_for_peers(portal_url: str, slug: str, wait_seconds: float, say=print) -
         time.sleep(1.0)
         info = fetch_join_info(portal_url, slug)
     return info
+
+
+def request_peer_token(portal_url: str, slug: str, credential: str, public_key: bytes,
+                       transport: httpx.BaseTransport | None = None) -> PeerTokenGrant:
+    """A peer token for this process's key; ``AdmissionError`` with the portal's reason when refused."""
+    url = f"{portal_url.rstrip('/')}{API_PREFIX}/runs/{slug}/peer-tokens"
+    body = PeerTokenRequest(public_key=public_key.decode()).model_dump()
+    try:
+        with httpx.Client(transport=transport, timeout=15) as client:
+            response = client.post(url, json=body, headers={"Authorization": f"Bearer {credential}"})
+    except httpx.HTTPError as e:
+        raise PortalError(f"cannot reach the portal at {portal_url} ({e}); check the address and your network")
+    if response.status_code == 401:
+        raise AdmissionError(f"the portal no longer accepts this machine's sign-in; run "
+                             f"`dedloc-worker login {portal_url}` again")
+    if response.status_code == 404:
+        raise ConfigError(f"the portal at {portal_url} has no run named {slug!r}; check the run's join page")
+    if response.status_code in (403, 429):
+        raise AdmissionError(f"run {slug!r} refused this worker: {_reason(response)}")
+    if response.status_code != 200:
+        raise PortalError(f"the portal answered {response.status_code} for {url}: {response.text[:200]}")
+    return PeerTokenGrant.model_validate_json(response.content)
+
+
+def _reason(response: httpx.Response) -> str:
+    try:
+        return str(response.json()["detail"])
+    except (ValueError, KeyError, TypeError):
+        return response.text[:200]

@@ -18,14 +18,30 @@ from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.dht.schema import BytesWithPublicKey, SchemaValidator
 from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgressSchema
 
-from .contract import MetricsRecord, metrics_key, progress_key
+from google.protobuf.message import DecodeError
+from hivemind.proto.auth_pb2 import AccessToken
+
+from .contract import MetricsRecord, denylist_key, metrics_key, progress_key, tokens_key
 
 # How long a metrics record lives in the DHT (seconds): long enough for a coordinator restart to catch up.
 METRICS_TTL = 300.0
+# Token and denylist records are republished every few seconds; they outlive a short outage.
+TOKEN_RECORD_TTL = 60.0
 
 
 class MetricsSchema(pydantic_v1.BaseModel):
     metrics: Dict[BytesWithPublicKey, Optional[MetricsRecord]]
+
+
+class DenylistRecord(pydantic_v1.BaseModel):
+    usernames: List[pydantic_v1.StrictStr]
+    issued_at: pydantic_v1.StrictFloat
+    signature: pydantic_v1.StrictStr
+
+
+class AdmissionSchema(pydantic_v1.BaseModel):
+    tokens: Dict[BytesWithPublicKey, Optional[bytes]]
+    denylist: Dict[BytesWithPublicKey, Optional[DenylistRecord]]
 
 
 def add_record_validators(dht: DHT, run_id: str, private_key=None) -> RSASignatureValidator:
@@ -36,6 +52,7 @@ def add_record_validators(dht: DHT, run_id: str, private_key=None) -> RSASignatu
             signature,
             SchemaValidator(TrainingProgressSchema, prefix=run_id),
             SchemaValidator(MetricsSchema, prefix=run_id),
+            SchemaValidator(AdmissionSchema, prefix=run_id),
         ]
     )
     return signature
@@ -102,3 +119,40 @@ def read_metrics(dht: DHT, run_id: str) -> List[PeerMetrics]:
             continue
     return records
 
+
+
+def publish_token(dht: DHT, run_id: str, signature: RSASignatureValidator, token: AccessToken) -> bool:
+    """Publish this peer's token, so peers it never called through the DHT can admit it too."""
+    return bool(dht.store(tokens_key(run_id), token.SerializeToString(), get_dht_time() + TOKEN_RECORD_TTL,
+                          subkey=signature.local_public_key, return_future=False))
+
+
+def read_tokens(dht: DHT, run_id: str) -> List[AccessToken]:
+    tokens = []
+    for value in _entries(dht, tokens_key(run_id)).values():
+        try:
+            tokens.append(AccessToken.FromString(value))
+        except (DecodeError, TypeError):
+            continue
+    return tokens
+
+
+def publish_denylist(dht: DHT, run_id: str, signature: RSASignatureValidator, denylist: dict) -> bool:
+    return bool(dht.store(denylist_key(run_id), DenylistRecord(**denylist).dict(), get_dht_time() + TOKEN_RECORD_TTL,
+                          subkey=signature.local_public_key, return_future=False))
+
+
+def read_denylist(dht: DHT, run_id: str, check) -> List[str]:
+    """Banned usernames from the newest denylist signed by the run's authority ([] when none)."""
+    from .admission import denylist_is_authentic
+
+    newest = None
+    for value in _entries(dht, denylist_key(run_id)).values():
+        try:
+            record = DenylistRecord.parse_obj(value)
+        except pydantic_v1.ValidationError:
+            continue
+        if denylist_is_authentic(check, record.usernames, record.issued_at, record.signature):
+            if newest is None or record.issued_at > newest.issued_at:
+                newest = record
+    return list(newest.usernames) if newest else []

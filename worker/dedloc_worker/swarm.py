@@ -20,13 +20,18 @@ from hivemind.optim.grad_averager import GradientAverager
 from .contract import RunConfig
 
 
-def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, identity_path: Optional[str] = None):
-    """Start this process's DHT node (a child process plus its p2pd daemon) and wait until it is up."""
+def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, identity_path: Optional[str] = None,
+               authorizer=None):
+    """Start this process's DHT node (a child process plus its p2pd daemon) and wait until it is up.
+
+    :param authorizer: checks every DHT request and response (``admission.RunAuthorizer``); None admits all
+    """
     return hivemind.DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[listen],
         client_mode=client_mode,
         identity_path=identity_path,
+        authorizer=authorizer,
         start=True,
     )
 

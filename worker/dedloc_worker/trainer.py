@@ -13,7 +13,7 @@ import torch
 
 from .contract import RECENT_EPOCHS_KEPT, EpochContribution, MetricsRecord, RunConfig, mean_loss
 from .errors import TrainingError
-from .records import add_record_validators, publish_metrics
+from .records import publish_metrics
 from .swarm import create_optimizer
 
 
@@ -32,6 +32,7 @@ class TrainingResult:
     contributions: List[EpochContribution]
     final_epoch: int
     state: dict
+    username: str = ""
 
 
 @dataclass
@@ -63,15 +64,16 @@ def train(
     task,
     username: str,
     stop: threading.Event,
+    signature,
     max_epochs: Optional[int] = None,
     client_mode: bool = False,
     on_status: Callable[[Status], None] = lambda status: None,
 ) -> TrainingResult:
     """Train until ``stop`` is set or the collaboration reaches ``max_epochs``; always leaves the swarm.
 
+    :param signature: the ``RSASignatureValidator`` this peer's records are signed with
     :returns: this peer's contributions (samples per epoch it took part in) and its final parameters
     """
-    signature = add_record_validators(dht, config.run_id)
     addrs = [] if client_mode else [str(addr) for addr in dht.get_visible_maddrs()]
     opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode)
     contributions: deque = deque(maxlen=RECENT_EPOCHS_KEPT)

@@ -1,0 +1,230 @@
+"""Sign-in (OpenID Connect, or the loopback-only development sign-in), sign-out, the device login (RFC 8628)
+for workers, and who an API credential belongs to."""
+
+from __future__ import annotations
+
+import ipaddress
+import secrets
+from typing import Annotated, Optional
+from urllib.parse import quote
+
+from dedloc_worker.contract import API_PREFIX
+from fastapi import APIRouter, Depends, Form, Query, Request
+from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from starlette.concurrency import run_in_threadpool
+from starlette.middleware.sessions import SessionMiddleware
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..auth import accounts, device, oidc
+from ..auth.deps import ApiUser, BearerSecret, CsrfChecked, CurrentUser, OptionalUser, csrf_token
+from ..auth.device import DevicePolicy
+from ..auth.errors import DeviceGrantError, SignInRefused, SignInRequired, UserCodeRefused
+from ..auth.models import User
+from ..config import Settings
+from ..models import utcnow
+from .deps import SessionDep, SettingsDep
+
+router = APIRouter()
+DEVICE_GRANT_TYPE = "urn:ietf:params:oauth:grant-type:device_code"
+NO_STORE = {"Cache-Control": "no-store", "Pragma": "no-cache"}
+# Headers a reverse proxy adds: a request carrying one did not come from this machine's own browser.
+PROXY_HEADERS = ("forwarded", "x-forwarded-for", "x-forwarded-host", "x-real-ip")
+
+
+class SessionCookies:
+    """Starlette's signed session cookie (HttpOnly, SameSite=lax), marked Secure on requests served over https."""
+
+    def __init__(self, app: ASGIApp, secret_key: str, max_age: int = 14 * 24 * 3600):
+        options = dict(secret_key=secret_key, session_cookie="dedloc_session", max_age=max_age, same_site="lax")
+        self.plain = SessionMiddleware(app, **options)
+        self.secure = SessionMiddleware(app, https_only=True, **options)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        middleware = self.secure if scope.get("scheme") in ("https", "wss") else self.plain
+        await middleware(scope, receive, send)
+
+
+async def sign_in_first(request: Request, exc: SignInRequired):
+    """Pages send a visitor without a session to the sign-in page and back; the API answers 401."""
+    if request.url.path.startswith("/api/"):
+        return JSONResponse({"detail": str(exc)}, status_code=401)
+    target = request.url.path + (f"?{request.url.query}" if request.url.query else "")
+    return RedirectResponse(f"/signin?next={quote(target, safe='')}", status_code=303)
+
+
+def render(request: Request, template: str, status_code: int = 200, **context):
+    return request.app.state.templates.TemplateResponse(request, template, context, status_code=status_code)
+
+
+def safe_next(target: Optional[str]) -> str:
+    """Only paths on this portal: an open redirect would lend the portal's name to phishing."""
+    if target and target.startswith("/") and not target.startswith(("//", "/\\")) and target.isprintable():
+        return target
+    return "/"
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def dev_sign_in_refusal(settings: Settings, request: Request) -> Optional[str]:
+    """Why the development sign-in is not offered here, or None when it is."""
+    if settings.oidc_client_id:
+        return f"this portal signs in through {oidc.provider_name(settings)}; the development sign-in is off"
+    if not is_loopback(settings.host):
+        return (f"the development sign-in is for local use only, and this portal listens on {settings.host}, "
+                "not on a loopback address; configure an OpenID Connect provider (DEDLOC_OIDC_CLIENT_ID, "
+                "DEDLOC_OIDC_CLIENT_SECRET, DEDLOC_OIDC_ISSUER)")
+    if any(name in request.headers for name in PROXY_HEADERS):
+        return ("the development sign-in is for local use only, and this request came through a proxy; "
+                "configure an OpenID Connect provider (DEDLOC_OIDC_CLIENT_ID, DEDLOC_OIDC_CLIENT_SECRET)")
+    return None
+
+
+def start_session(request: Request, user: User) -> None:
+    request.session.clear()  # nothing from before the sign-in carries over
+    request.session.update(uid=user.id, username=user.username, csrf=secrets.token_urlsafe(32))
+
+
+# sign-in pages -------------------------------------------------------------------------------------------------
+
+@router.get("/signin", response_class=HTMLResponse, include_in_schema=False)
+def signin_page(request: Request, settings: SettingsDep, user: OptionalUser, next: Optional[str] = None):
+    provider = oidc.provider_name(settings) if request.app.state.oauth else None
+    refusal = None if provider else dev_sign_in_refusal(settings, request)
+    return render(request, "signin.html", 403 if refusal else 200, provider=provider, refusal=refusal,
+                  next=safe_next(next), user=user, csrf=csrf_token(request))
+
+
+def dev_sign_in_offered(request: Request, settings: SettingsDep) -> None:
+    refusal = dev_sign_in_refusal(settings, request)
+    if refusal:
+        raise SignInRefused(refusal, 403)
+
+
+# The refusal comes first: it tells why, whatever the form carried.
+@router.post("/signin/dev", include_in_schema=False, dependencies=[Depends(dev_sign_in_offered), CsrfChecked])
+def dev_sign_in(request: Request, session: SessionDep, username: Annotated[str, Form(max_length=100)],
+                next: Annotated[str, Form()] = "/"):
+    start_session(request, accounts.sign_in_locally(session, username=username.strip()))
+    return RedirectResponse(safe_next(next), status_code=303)
+
+
+@router.get("/signin/oidc", include_in_schema=False)
+async def oidc_sign_in(request: Request, next: Optional[str] = None):
+    if request.app.state.oauth is None:
+        raise SignInRefused("no OpenID Connect provider is configured on this portal (DEDLOC_OIDC_CLIENT_ID)", 404)
+    request.session["next"] = safe_next(next)
+    redirect_uri = str(request.url_for("oidc_callback"))
+    return await oidc.redirect_to_provider(request.app.state.oauth, request, redirect_uri)
+
+
+@router.get("/signin/oidc/callback", name="oidc_callback", include_in_schema=False)
+async def oidc_callback(request: Request, settings: SettingsDep, session: SessionDep):
+    oauth = request.app.state.oauth
+    try:
+        if oauth is None:
+            raise SignInRefused("no OpenID Connect provider is configured on this portal", 404)
+        identity = await oidc.identity_from_callback(oauth, request, settings)
+        user = await run_in_threadpool(accounts.sign_in_with_provider, session, issuer=identity.issuer,
+                                       subject=identity.subject, username=identity.username)
+    except SignInRefused as refused:
+        return render(request, "signin.html", refused.status_code, failure=str(refused), provider=None,
+                      refusal=None, next="/", user=None, csrf=csrf_token(request))
+    target = request.session.get("next", "/")
+    start_session(request, user)
+    return RedirectResponse(safe_next(target), status_code=303)
+
+
+@router.post("/signout", include_in_schema=False, dependencies=[CsrfChecked])
+def sign_out(request: Request):
+    request.session.clear()
+    return RedirectResponse("/", status_code=303)
+
+
+# device login: the worker's side (RFC 8628, 3.1-3.5) ------------------------------------------------------------
+
+def device_policy() -> DevicePolicy:
+    """Code lifetime and poll interval; tests override this dependency (``app.dependency_overrides``)."""
+    return DevicePolicy()
+
+
+@router.post(f"{API_PREFIX}/device/code", tags=["device login"])
+def device_code(request: Request, session: SessionDep, policy: Annotated[DevicePolicy, Depends(device_policy)],
+                client_name: Annotated[Optional[str], Form(max_length=200)] = None):
+    """Start a device login: show ``user_code`` and ``verification_uri`` to the person, then poll the token
+    endpoint with ``device_code`` every ``interval`` seconds."""
+    started = device.start_device_login(session, policy=policy, client_name=client_name)
+    verification_uri = str(request.url_for("device_page"))
+    return JSONResponse({
+        "device_code": started.device_code,
+        "user_code": started.user_code,
+        "verification_uri": verification_uri,
+        "verification_uri_complete": f"{verification_uri}?user_code={started.user_code}",
+        "expires_in": started.expires_in,
+        "interval": started.interval,
+    }, headers=NO_STORE)
+
+
+@router.post(f"{API_PREFIX}/device/token", tags=["device login"])
+def device_token(session: SessionDep, device_code: Annotated[str, Form(max_length=200)] = "",
+                 grant_type: Annotated[str, Form(max_length=100)] = DEVICE_GRANT_TYPE):
+    """Poll a device login: 200 ``{access_token, token_type, username}`` once approved, otherwise 400
+    ``{error, error_description}`` with RFC 8628's codes."""
+    try:
+        if grant_type != DEVICE_GRANT_TYPE:
+            raise DeviceGrantError("unsupported_grant_type", f"grant_type must be {DEVICE_GRANT_TYPE}")
+        if not device_code:
+            raise DeviceGrantError("invalid_request", "device_code is missing")
+        grant = device.poll_device_login(session, device_code=device_code)
+    except DeviceGrantError as e:
+        return JSONResponse({"error": e.error, "error_description": str(e)}, status_code=400, headers=NO_STORE)
+    return JSONResponse({"access_token": grant.access_token, "token_type": "bearer", "username": grant.username},
+                        headers=NO_STORE)
+
+
+@router.get(f"{API_PREFIX}/me", tags=["device login"])
+def me(user: ApiUser, settings: SettingsDep):
+    """Who the bearer credential belongs to."""
+    return {"username": user.username, "organizer": accounts.is_organizer(settings, user)}
+
+
+@router.delete(f"{API_PREFIX}/me/credential", tags=["device login"])
+def revoke_credential(user: ApiUser, secret: BearerSecret, session: SessionDep):
+    """Revoke the bearer credential of this request (what `dedloc-worker logout` may call)."""
+    return {"revoked": accounts.revoke_credential(session, secret), "username": user.username}
+
+
+# device login: the person's side -------------------------------------------------------------------------------
+
+@router.get("/device", name="device_page", response_class=HTMLResponse, include_in_schema=False)
+def device_page(request: Request, user: CurrentUser, session: SessionDep,
+                user_code: Annotated[Optional[str], Query(max_length=50)] = None):
+    if not user_code:
+        return render(request, "device.html", step="enter", user=user, csrf=csrf_token(request))
+    try:
+        pending = device.pending_device_code(session, user_code)
+    except UserCodeRefused as refused:
+        return render(request, "device.html", refused.status_code, step="enter", error=str(refused),
+                      user_code=user_code, user=user, csrf=csrf_token(request))
+    asked = max(0, int((utcnow() - accounts.aware(pending.created_at)).total_seconds()))
+    return render(request, "device.html", step="confirm", pending=pending, asked_seconds_ago=asked, user=user,
+                  csrf=csrf_token(request))
+
+
+@router.post("/device", response_class=HTMLResponse, include_in_schema=False, dependencies=[CsrfChecked])
+def device_decision(request: Request, user: CurrentUser, session: SessionDep,
+                    user_code: Annotated[str, Form(max_length=50)], decision: Annotated[str, Form()]):
+    if decision not in ("approve", "deny"):
+        raise UserCodeRefused("the decision must be approve or deny", 422)
+    try:
+        decided = device.decide_device_login(session, user_code=user_code, user=user, approve=decision == "approve")
+    except UserCodeRefused as refused:
+        return render(request, "device.html", refused.status_code, step="enter", error=str(refused),
+                      user_code=user_code, user=user, csrf=csrf_token(request))
+    return render(request, "device.html", step="done", decided=decided, user=user, csrf=csrf_token(request))

@@ -1,0 +1,20 @@
+"""Issuing peer tokens to workers: ``POST /api/v1/runs/{slug}/peer-tokens``."""
+
+from __future__ import annotations
+
+from dedloc_worker.contract import API_PREFIX, PeerTokenGrant, PeerTokenRequest
+from fastapi import APIRouter
+
+from .. import tokens
+from ..auth.deps import ApiUser
+from .deps import RunDep, SessionDep, SettingsDep
+
+router = APIRouter(prefix=API_PREFIX, tags=["api"])
+
+
+@router.post("/runs/{slug}/peer-tokens", response_model=PeerTokenGrant)
+def issue_peer_token(run: RunDep, user: ApiUser, body: PeerTokenRequest, session: SessionDep,
+                     settings: SettingsDep):
+    """A token binding the signed-in user to the worker's key, signed by the run's authority (403 with the
+    reason when the run does not admit the user, 429 with Retry-After past a per-account limit)."""
+    return tokens.issue_peer_token(session, settings, run, user.username, body.public_key)

@@ -1,0 +1,144 @@
+"""Peer tokens and admission: the pieces, and the hivemind internals they rely on (pinned)."""
+
+from __future__ import annotations
+
+import inspect
+import time
+from datetime import datetime, timedelta, timezone
+
+import hivemind
+import pytest
+from dedloc_worker.admission import AdmissionState, TokenCheck, admitted_peers, guard_handlers, parse_expiration
+from dedloc_worker.contract import token_payload
+from dedloc_worker.signing import new_private_key, peer_id_of, public_openssh, sign
+from hivemind.p2p import P2P, PeerID
+from hivemind.p2p.p2p_daemon import P2PContext
+from hivemind.proto import crypto_pb2
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils.auth import TokenAuthorizerBase
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from app import runs, tokens
+from app.config import Settings
+from app.errors import Forbidden, Invalid, TooManyRequests
+
+
+def make_token(authority, username: str, peer_key: RSAPrivateKey, lifetime: float = 600) -> AccessToken:
+    expires = (datetime.now(timezone.utc) + timedelta(seconds=lifetime)).replace(tzinfo=None)
+    expiration_time = expires.isoformat(timespec="seconds")
+    public_key = peer_key.get_public_key().to_bytes()
+    signature = sign(authority, token_payload(username, public_key, expiration_time))
+    return AccessToken(username=username, public_key=public_key, expiration_time=expiration_time,
+                       signature=signature.encode())
+
+
+def test_portal_signatures_verify_with_hivemind():
+    """The portal signs without hivemind; hivemind's own RSAPublicKey.verify must accept it."""
+    authority = new_private_key()
+    data = b"alice key 2030-01-01T00:00:00"
+    assert RSAPublicKey.from_bytes(public_openssh(authority)).verify(data, sign(authority, data).encode())
+    assert not RSAPublicKey.from_bytes(public_openssh(authority)).verify(data + b"!", sign(authority, data).encode())
+
+
+def test_peer_id_of_a_token_key_is_the_libp2p_peer_id():
+    key = RSAPrivateKey()
+    identity = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=key.to_bytes()).SerializeToString()
+    assert peer_id_of(key.get_public_key().to_bytes()) == str(PeerID.from_identity(identity))
+
+
+def test_token_check_names_what_is_wrong():
+    authority, stranger, peer = new_private_key(), new_private_key(), RSAPrivateKey()
+    check = TokenCheck(public_openssh(authority).decode())
+    assert check.verdict(make_token(authority, "alice", peer)) == ""
+    assert "signature" in check.verdict(make_token(stranger, "alice", peer))
+    assert "expired" in check.verdict(make_token(authority, "alice", peer, lifetime=-5))
+    assert "banned" in check.verdict(make_token(authority, "alice", peer), frozenset({"alice"}))
+    forged = make_token(authority, "alice", peer)
+    forged.username = "mallory"  # a valid signature over another name
+    assert "signature" in check.verdict(forged)
+
+
+def test_admitted_peers_keep_only_valid_tokens(tmp_path):
+    authority = new_private_key()
+    check = TokenCheck(public_openssh(authority).decode())
+    good, banned, expired = RSAPrivateKey(), RSAPrivateKey(), RSAPrivateKey()
+    peers = admitted_peers([make_token(authority, "alice", good), make_token(authority, "bob", banned),
+                            make_token(authority, "carol", expired, lifetime=-1)], check, frozenset({"bob"}))
+    assert list(peers) == [peer_id_of(good.get_public_key().to_bytes())]
+    state = AdmissionState(tmp_path)
+    state.write_admitted(peers, ["bob"])
+    assert state.admits(next(iter(peers))) and not state.admits(peer_id_of(banned.get_public_key().to_bytes()))
+    assert state.denied() == {"bob"}
+
+
+def test_hivemind_internals_admission_relies_on():
+    """If an upgrade moves any of these, the admission layer silently stops protecting: fail loudly instead."""
+    assert hivemind.__version__ == "1.1.12"
+    parameters = list(inspect.signature(P2P.add_protobuf_handler).parameters)
+    assert parameters[:4] == ["self", "name", "handler", "input_protobuf_type"]
+    assert {"stream_input", "stream_output", "balanced"} <= set(parameters)
+    assert "remote_id" in P2PContext.__dataclass_fields__
+    for method in ("get_token", "is_token_valid", "does_token_need_refreshing"):
+        assert method in TokenAuthorizerBase.__abstractmethods__
+    from hivemind.dht.protocol import DHTProtocol
+
+    assert DHTProtocol._get_handle_name(None, "rpc_find") == "DHTProtocol.rpc_find"
+    from hivemind.averaging.averager import DecentralizedAverager
+
+    names = {handler for handler in dir(DecentralizedAverager) if handler.startswith("rpc_")}
+    assert {"rpc_join_group", "rpc_aggregate_part", "rpc_download_state"} <= names
+
+
+def test_guard_wraps_every_non_dht_handler(tmp_path):
+    state = AdmissionState(tmp_path)
+    original = P2P.add_protobuf_handler
+    try:
+        guard_handlers(state)
+        guard_handlers(state)  # twice is harmless: it wraps the original, not itself
+        assert P2P.add_protobuf_handler.__wrapped__ is original
+    finally:
+        P2P.add_protobuf_handler = original
+
+
+@pytest.fixture
+def run(sessions):
+    with sessions() as session:
+        yield session, runs.create_run(session, slug="adm", title="Admission")
+
+
+def test_issued_tokens_are_recorded_and_verify(run, tmp_path):
+    session, the_run = run
+    settings = Settings(data_dir=tmp_path, peer_token_lifetime=120)
+    peer = RSAPrivateKey()
+    grant = tokens.issue_peer_token(session, settings, the_run, "alice", peer.get_public_key().to_bytes().decode())
+    check = TokenCheck(grant.authority_public_key)
+    token = AccessToken(username="alice", public_key=grant.token.public_key.encode(),
+                        expiration_time=grant.token.expiration_time, signature=grant.token.signature.encode())
+    assert check.verdict(token) == ""
+    assert 100 < parse_expiration(grant.token.expiration_time) - time.time() <= 121
+    assert tokens.token_holders(session, the_run)[0][:2] == ("alice", 1)
+    # The authority key is stored encrypted: the clear DER is nowhere in the row.
+    assert b"BEGIN" not in the_run.authority_key_encrypted and len(the_run.authority_key_encrypted) > 1000
+
+
+def test_admission_policy_bans_and_limits(run, tmp_path):
+    session, the_run = run
+    settings = Settings(data_dir=tmp_path, peer_token_requests_per_minute=3, max_concurrent_peers=2)
+    key = lambda: RSAPrivateKey().get_public_key().to_bytes().decode()  # noqa: E731
+    tokens.issue_peer_token(session, settings, the_run, "alice", key())
+    tokens.issue_peer_token(session, settings, the_run, "alice", key())
+    with pytest.raises(TooManyRequests, match="already runs 2 peers"):
+        tokens.issue_peer_token(session, settings, the_run, "alice", key())
+    with pytest.raises(Invalid, match="OpenSSH"):
+        tokens.issue_peer_token(session, settings, the_run, "bob", "ssh-rsa garbage")
+    tokens.ban_user(session, the_run, "bob", banned_by="org")
+    with pytest.raises(Forbidden, match="banned"):
+        tokens.issue_peer_token(session, settings, the_run, "bob", key())
+    tokens.unban_user(session, the_run, "bob")
+    tokens.issue_peer_token(session, settings, the_run, "bob", key())
+    the_run.admission = "allowlist"
+    session.commit()
+    with pytest.raises(Forbidden, match="allowlisted"):
+        tokens.issue_peer_token(session, settings, the_run, "carol", key())
+    denylist = tokens.signed_denylist(session, settings, the_run)
+    assert denylist["usernames"] == []

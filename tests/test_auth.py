@@ -1,0 +1,484 @@
+"""Sign-in and device login through the real portal served on loopback: a real OpenID Connect exchange with a
+provider served by the tests (tests/oidc_provider.py), the development sign-in, the device authorization grant
+with the worker's own client, API credentials, and the worker's credentials file."""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import re
+import shutil
+import stat
+import threading
+from datetime import timedelta
+from pathlib import Path
+from typing import Optional
+from urllib.parse import parse_qs, urlencode, urlsplit
+
+import httpx
+import pytest
+from dedloc_worker.errors import PortalError
+from dedloc_worker.login import Credential, device_login, forget_credential, load_credential, save_credential
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+from joserfc.jwk import RSAKey
+from sqlalchemy import inspect, select
+
+from app.auth.device import DevicePolicy
+from app.auth.models import ApiCredential, DeviceCode, User
+from app.config import Settings
+from app.db import downgrade, make_engine, migrate
+from app.models import utcnow
+from app.web.auth_routes import device_policy
+from app.web.main import create_app
+from tests.oidc_provider import LoopbackServer, OidcProvider
+
+CLIENT_ID, CLIENT_SECRET = "dedloc-portal", "provider-secret-for-tests"
+SECRET_KEY = "a-test-secret-key-of-at-least-32-characters"
+BROWSER = {"accept": "text/html,application/xhtml+xml"}
+QUICK = DevicePolicy(lifetime=30, interval=1)  # device codes polled every second: tests stay short
+
+
+# fixtures --------------------------------------------------------------------------------------------------------
+
+@pytest.fixture(scope="session")
+def provider_key() -> RSAKey:
+    return RSAKey.generate_key(2048, parameters={"kid": "test-session-key"})
+
+
+@pytest.fixture(scope="session")
+def provider_server(provider_key):
+    provider = OidcProvider(provider_key, CLIENT_ID, CLIENT_SECRET)
+    with LoopbackServer(provider.app) as server:
+        provider.issuer = server.url
+        yield provider
+
+
+@pytest.fixture
+def provider(provider_server) -> OidcProvider:
+    provider_server.reset()
+    return provider_server
+
+
+@pytest.fixture(scope="session")
+def migrated_database(tmp_path_factory) -> Path:
+    """One migrated SQLite file; each portal gets a copy (faster than migrating for every test)."""
+    path = tmp_path_factory.mktemp("template") / "dedloc.sqlite3"
+    migrate(f"sqlite:///{path}")
+    return path
+
+
+class Portal:
+    def __init__(self, url: str, app: FastAPI):
+        self.url, self.app = url, app
+
+    def db(self):
+        return self.app.state.sessions()
+
+    def users(self) -> list[str]:
+        with self.db() as session:
+            return list(session.scalars(select(User.username).order_by(User.username)))
+
+
+@pytest.fixture
+def start_portal(tmp_path, migrated_database):
+    """Start a portal (real app, uvicorn, loopback) with the given settings; all are stopped after the test."""
+    servers = contextlib.ExitStack()
+
+    def start(policy: DevicePolicy = QUICK, **overrides) -> Portal:
+        database = tmp_path / f"portal-{len(servers._exit_callbacks)}.sqlite3"
+        shutil.copy(migrated_database, database)
+        settings = Settings(database_url=f"sqlite:///{database}", data_dir=tmp_path, secret_key=SECRET_KEY,
+                            **overrides)
+        app = create_app(settings)
+        app.dependency_overrides[device_policy] = lambda: policy
+        server = servers.enter_context(LoopbackServer(app))
+        return Portal(server.url, app)
+
+    with servers:
+        yield start
+
+
+@pytest.fixture
+def portal(start_portal) -> Portal:
+    """A portal without a sign-in provider, bound to loopback: the development sign-in is offered."""
+    return start_portal()
+
+
+@pytest.fixture
+def oidc_portal(start_portal, provider) -> Portal:
+    return start_portal(oidc_issuer=provider.issuer, oidc_client_id=CLIENT_ID, oidc_client_secret=CLIENT_SECRET)
+
+
+@pytest.fixture
+def browser():
+    with httpx.Client(headers=BROWSER, timeout=15) as client:
+        yield client
+
+
+# helpers ---------------------------------------------------------------------------------------------------------
+
+def form_token(html: str) -> str:
+    return re.search(r'name="csrf" value="([^"]+)"', html).group(1)
+
+
+def dev_sign_in(client: httpx.Client, portal: Portal, username: str, next: str = "/") -> httpx.Response:
+    page = client.get(f"{portal.url}/signin", params={"next": next})
+    return client.post(f"{portal.url}/signin/dev", follow_redirects=True,
+                       data={"username": username, "next": next, "csrf": form_token(page.text)})
+
+
+def signed_in_as(client: httpx.Client, portal: Portal) -> Optional[str]:
+    found = re.search(r'id="signed-in-as">([^<]+)<', client.get(f"{portal.url}/").text)
+    return found and found.group(1)
+
+
+def decide(client: httpx.Client, portal: Portal, user_code: str, decision: str) -> httpx.Response:
+    page = client.get(f"{portal.url}/device", params={"user_code": user_code})
+    assert page.status_code == 200, page.text
+    return client.post(f"{portal.url}/device", data={"user_code": user_code, "decision": decision,
+                                                      "csrf": form_token(page.text)})
+
+
+def start_device(portal: Portal) -> dict:
+    response = httpx.post(f"{portal.url}/api/v1/device/code", data={"client_name": "test worker on host"})
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def poll(portal: Portal, device_code: str) -> httpx.Response:
+    return httpx.post(f"{portal.url}/api/v1/device/token", data={
+        "grant_type": "urn:ietf:params:oauth:grant-type:device_code", "device_code": device_code})
+
+
+def oidc_redirects(client: httpx.Client, portal: Portal) -> str:
+    """Start a sign-in and follow it to the provider and back, up to the callback URL (not yet opened)."""
+    to_provider = client.get(f"{portal.url}/signin/oidc", params={"next": "/runs"})
+    assert to_provider.status_code == 302, to_provider.text
+    back = client.get(to_provider.headers["location"])
+    assert back.status_code == 302, back.text
+    return back.headers["location"]
+
+
+class LoginThread(threading.Thread):
+    """``device_login`` running as the worker would, while the test plays the person in the browser."""
+
+    def __init__(self, portal: Portal):
+        super().__init__(daemon=True)
+        self.portal, self.lines, self.said = portal, [], threading.Event()
+        self.credential: Optional[Credential] = None
+        self.error: Optional[Exception] = None
+
+    def say(self, line: str) -> None:
+        self.lines.append(line)
+        self.said.set()
+
+    def run(self) -> None:
+        try:
+            self.credential = device_login(self.portal.url, say=self.say)
+        except Exception as e:  # handed to the test, which reads it
+            self.error = e
+
+    def user_code(self) -> str:
+        assert self.said.wait(10), "device_login printed nothing"
+        return re.search(r"enter the code ([A-Z]{4}-[A-Z]{4})", self.lines[0]).group(1)
+
+    def finish(self) -> "LoginThread":
+        self.join(20)
+        assert not self.is_alive(), "device_login did not return"
+        return self
+
+
+# OpenID Connect --------------------------------------------------------------------------------------------------
+
+def test_oidc_sign_in_creates_the_user_and_a_session(oidc_portal, provider, browser):
+    landed = browser.get(f"{oidc_portal.url}/signin/oidc", params={"next": "/"}, follow_redirects=True)
+    assert landed.status_code == 200 and str(landed.url) == f"{oidc_portal.url}/"
+    assert [urlsplit(str(r.url)).path for r in landed.history] == ["/signin/oidc", "/authorize",
+                                                                   "/signin/oidc/callback"]
+    cookie = landed.history[-1].headers["set-cookie"].lower()
+    assert "httponly" in cookie and "samesite=lax" in cookie and "secure" not in cookie
+    assert signed_in_as(browser, oidc_portal) == "alice"
+    with oidc_portal.db() as session:
+        user = session.scalar(select(User))
+        assert (user.username, user.oidc_issuer, user.oidc_subject) == ("alice", provider.issuer, "subject-alice")
+
+    # Signing in again finds the same user; signing out ends the session.
+    browser.get(f"{oidc_portal.url}/signin/oidc", follow_redirects=True)
+    assert oidc_portal.users() == ["alice"]
+    home = browser.get(f"{oidc_portal.url}/")
+    browser.post(f"{oidc_portal.url}/signout", data={"csrf": form_token(home.text)}, follow_redirects=True)
+    assert signed_in_as(browser, oidc_portal) is None
+
+
+@pytest.mark.parametrize("mode, status, reason", [
+    ("wrong_nonce", 401, "nonce is not the one this sign-in sent"),
+    ("expired", 401, "it has expired"),
+    ("wrong_audience", 401, "issued for another application"),
+    ("unknown_key", 401, "signature does not verify"),
+    ("access_denied", 403, "did not let you sign in (access_denied: The user declined)"),
+])
+def test_oidc_refusals_are_clear_pages(oidc_portal, provider, browser, mode, status, reason):
+    provider.reset(mode)
+    page = browser.get(f"{oidc_portal.url}/signin/oidc", follow_redirects=True)
+    assert page.status_code == status
+    assert "<html" in page.text and "Sign-in refused" in page.text and reason in page.text
+    assert signed_in_as(browser, oidc_portal) is None and oidc_portal.users() == []
+
+
+def test_oidc_refuses_a_wrong_state_a_replay_and_another_browser(oidc_portal, browser):
+    callback = oidc_redirects(browser, oidc_portal)
+    query = parse_qs(urlsplit(callback).query)
+    forged = callback.split("?")[0] + "?" + urlencode({"code": query["code"][0], "state": "forged-state"})
+    refused = browser.get(forged)
+    assert refused.status_code == 400 and "the state does not match" in refused.text
+
+    callback = oidc_redirects(browser, oidc_portal)
+    with httpx.Client(headers=BROWSER) as elsewhere:  # the same link opened in another browser
+        assert elsewhere.get(callback).status_code == 400
+    assert browser.get(callback).status_code == 303  # the browser that started it signs in
+    assert browser.get(callback).status_code == 400  # but only once
+    assert oidc_portal.users() == ["alice"]
+
+
+def test_an_unreachable_provider_is_a_clear_page(start_portal, browser):
+    portal = start_portal(oidc_issuer="http://127.0.0.1:1", oidc_client_id=CLIENT_ID)
+    page = browser.get(f"{portal.url}/signin/oidc")
+    assert page.status_code == 502 and "<html" in page.text and "try again later" in page.text
+
+
+def test_the_provider_is_the_only_sign_in_when_configured(oidc_portal, browser):
+    page = browser.get(f"{oidc_portal.url}/signin")
+    assert page.status_code == 200 and 'id="signin-provider"' in page.text and "signin-dev" not in page.text
+    refused = browser.post(f"{oidc_portal.url}/signin/dev", data={"username": "mallory", "csrf": "x"})
+    assert refused.status_code == 403 and "signs in through 127.0.0.1" in refused.text
+    assert oidc_portal.users() == []
+
+
+# development sign-in -----------------------------------------------------------------------------------------------
+
+def test_dev_sign_in_on_loopback(portal, browser):
+    page = browser.get(f"{portal.url}/signin")
+    assert page.status_code == 200 and "for local use only" in page.text.lower()
+    landed = dev_sign_in(browser, portal, "bob", next="/runs/none")
+    assert urlsplit(str(landed.url)).path == "/runs/none"  # back where sign-in was asked for
+    assert signed_in_as(browser, portal) == "bob" and portal.users() == ["bob"]
+    elsewhere = dev_sign_in(browser, portal, "bob", next="//evil.example/")
+    assert str(elsewhere.url) == f"{portal.url}/"  # never sent off the portal
+    # A form without this session's token is refused: another site cannot sign a visitor in or out.
+    assert browser.post(f"{portal.url}/signout", data={"csrf": "forged"}).status_code == 403
+    assert signed_in_as(browser, portal) == "bob"
+
+
+def test_dev_sign_in_refused_on_a_public_bind_address(start_portal, browser):
+    public = start_portal(host="0.0.0.0")
+    page = browser.get(f"{public.url}/signin")
+    assert page.status_code == 403 and "local use only" in page.text and "0.0.0.0" in page.text
+    assert "signin-dev" not in page.text
+    refused = browser.post(f"{public.url}/signin/dev", data={"username": "mallory", "csrf": "x"})
+    assert refused.status_code == 403 and "not on a loopback address" in refused.text
+    assert public.users() == []
+
+
+def test_dev_sign_in_refused_through_a_proxy(portal, browser):
+    page = browser.get(f"{portal.url}/signin")
+    refused = browser.post(f"{portal.url}/signin/dev", headers={"x-forwarded-for": "203.0.113.9"},
+                           data={"username": "mallory", "csrf": form_token(page.text)})
+    assert refused.status_code == 403 and "came through a proxy" in refused.text
+    assert portal.users() == []
+
+
+def test_the_session_cookie_is_secure_over_https(tmp_path, migrated_database):
+    shutil.copy(migrated_database, tmp_path / "db.sqlite3")
+    app = create_app(Settings(database_url=f"sqlite:///{tmp_path / 'db.sqlite3'}", data_dir=tmp_path,
+                              secret_key=SECRET_KEY))
+    for base, secure in (("https://portal.example", True), ("http://127.0.0.1", False)):
+        with TestClient(app, base_url=base) as client:
+            cookie = client.get("/signin").headers["set-cookie"].lower()
+            assert ("; secure" in cookie) is secure and "httponly" in cookie and "samesite=lax" in cookie
+
+
+# device login ----------------------------------------------------------------------------------------------------
+
+def test_device_login_approved_in_the_browser(portal, browser):
+    dev_sign_in(browser, portal, "carol")
+    login = LoginThread(portal)
+    login.start()
+    page = browser.get(f"{portal.url}/device", params={"user_code": login.user_code().lower()})  # any case
+    assert "test worker" not in page.text and "dedloc-worker 0.1.0 on" in page.text  # what is asking
+    assert decide(browser, portal, login.user_code(), "approve").status_code == 200
+    credential = login.finish().credential
+    assert login.error is None and credential.username == "carol" and credential.portal_url == portal.url
+    with portal.db() as session:
+        stored = session.scalar(select(ApiCredential))
+        assert stored.token_hash == hashlib.sha256(credential.access_token.encode()).hexdigest()
+    me = httpx.get(f"{portal.url}/api/v1/me", headers={"authorization": f"Bearer {credential.access_token}"})
+    assert me.json() == {"username": "carol", "organizer": False}
+
+
+def test_device_code_approved_then_used_once(portal, browser):
+    dev_sign_in(browser, portal, "dave")
+    started = start_device(portal)
+    assert re.fullmatch(r"[BCDFGHJKLMNPQRSTVWXZ]{4}-[BCDFGHJKLMNPQRSTVWXZ]{4}", started["user_code"])
+    assert started["verification_uri"] == f"{portal.url}/device"
+    assert started["verification_uri_complete"] == f"{portal.url}/device?user_code={started['user_code']}"
+    assert (started["expires_in"], started["interval"]) == (30, 1)
+    assert poll(portal, started["device_code"]).json()["error"] == "authorization_pending"
+    done = decide(browser, portal, started["user_code"], "approve")
+    assert "Approved" in done.text
+    granted = poll(portal, started["device_code"])
+    assert granted.status_code == 200 and granted.headers["cache-control"] == "no-store"
+    assert granted.json()["token_type"] == "bearer" and granted.json()["username"] == "dave"
+    again = poll(portal, started["device_code"])
+    assert again.status_code == 400 and again.json()["error"] == "invalid_grant"
+    assert poll(portal, "never-issued").json()["error"] == "invalid_grant"
+    # A decided code cannot be decided again.
+    page = browser.get(f"{portal.url}/device", params={"user_code": started["user_code"]})
+    assert page.status_code == 400 and "already used" in page.text
+
+
+def test_device_login_denied(portal, browser):
+    dev_sign_in(browser, portal, "erin")
+    login = LoginThread(portal)
+    login.start()
+    assert "Denied" in decide(browser, portal, login.user_code(), "deny").text
+    login.finish()
+    assert login.credential is None and isinstance(login.error, PortalError)
+    assert str(login.error).startswith("the login was denied in the browser")
+    with portal.db() as session:
+        assert session.scalar(select(ApiCredential)) is None
+
+
+def test_device_code_expires(start_portal, browser):
+    portal = start_portal(DevicePolicy(lifetime=1, interval=1))
+    dev_sign_in(browser, portal, "frank")
+    login = LoginThread(portal)
+    login.start()
+    code = login.user_code()
+    login.finish()
+    assert "the login code expired before it was approved" in str(login.error)
+    page = browser.get(f"{portal.url}/device", params={"user_code": code})
+    assert page.status_code == 400 and "has expired" in page.text
+
+    started = start_device(portal)  # expiry as recorded in the database, whatever the lifetime was
+    with portal.db() as session:
+        row = session.scalar(select(DeviceCode).where(DeviceCode.user_code == started["user_code"]))
+        row.expires_at = utcnow() - timedelta(seconds=1)
+        session.commit()
+    assert poll(portal, started["device_code"]).json()["error"] == "expired_token"
+
+
+def test_polling_too_fast_is_slowed_down(portal):
+    started = start_device(portal)
+    assert poll(portal, started["device_code"]).json()["error"] == "authorization_pending"
+    fast = poll(portal, started["device_code"]).json()
+    assert fast["error"] == "slow_down" and "wait 6 s" in fast["error_description"]
+    with portal.db() as session:
+        assert session.scalar(select(DeviceCode.interval)) == 6
+
+
+def test_the_device_page_needs_a_signed_in_user_and_a_form_token(portal, browser):
+    started = start_device(portal)
+    asked = browser.get(f"{portal.url}/device", params={"user_code": started["user_code"]})
+    assert asked.status_code == 303
+    assert asked.headers["location"] == f"/signin?next=%2Fdevice%3Fuser_code%3D{started['user_code']}"
+    landed = dev_sign_in(browser, portal, "grace", next=f"/device?user_code={started['user_code']}")
+    assert landed.status_code == 200 and started["user_code"] in landed.text and 'id="approve"' in landed.text
+    forged = browser.post(f"{portal.url}/device", data={"user_code": started["user_code"], "decision": "approve"})
+    assert forged.status_code == 403
+    assert poll(portal, started["device_code"]).json()["error"] == "authorization_pending"
+    unknown = browser.get(f"{portal.url}/device", params={"user_code": "BBBB-BBBB"})
+    assert unknown.status_code == 404 and "no device login has the code" in unknown.text
+
+
+# API credentials -------------------------------------------------------------------------------------------------
+
+def test_api_user_accepts_a_credential_and_refuses_a_revoked_one(portal, browser):
+    dev_sign_in(browser, portal, "heidi")
+    started = start_device(portal)
+    decide(browser, portal, started["user_code"], "approve")
+    token = poll(portal, started["device_code"]).json()["access_token"]
+    bearer = {"authorization": f"Bearer {token}"}
+    assert httpx.get(f"{portal.url}/api/v1/me", headers=bearer).json()["username"] == "heidi"
+    with portal.db() as session:
+        assert session.scalar(select(ApiCredential.last_used_at)) is not None
+
+    missing = httpx.get(f"{portal.url}/api/v1/me")
+    assert missing.status_code == 401 and "missing API credential" in missing.json()["detail"]
+    unknown = httpx.get(f"{portal.url}/api/v1/me", headers={"authorization": "Bearer dedloc_nope"})
+    assert unknown.status_code == 401 and "unknown API credential" in unknown.json()["detail"]
+    assert httpx.delete(f"{portal.url}/api/v1/me/credential", headers=bearer).json()["revoked"] is True
+    revoked = httpx.get(f"{portal.url}/api/v1/me", headers=bearer)
+    assert revoked.status_code == 401 and "revoked" in revoked.json()["detail"]
+
+
+# the worker's side -----------------------------------------------------------------------------------------------
+
+def test_device_login_waits_the_interval_and_slows_down_when_told():
+    """A portal that refuses any poll earlier than its interval, and asks once to slow down (virtual time)."""
+    clock = {"now": 0.0}
+    portal = {"interval": 2, "last": None, "slowed": False}
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        if request.url.path == "/api/v1/device/code":
+            return httpx.Response(200, json={
+                "device_code": "dc", "user_code": "BCDF-GHJK", "verification_uri": "http://p/device",
+                "verification_uri_complete": "http://p/device?user_code=BCDF-GHJK", "expires_in": 600,
+                "interval": 2})
+        now, last = clock["now"], portal["last"]
+        portal["last"] = now
+        if last is not None and now - last < portal["interval"]:
+            return httpx.Response(400, json={"error": "invalid_request", "error_description": "too early"})
+        if not portal["slowed"]:
+            portal["slowed"], portal["interval"] = True, portal["interval"] + 5
+            return httpx.Response(400, json={"error": "slow_down"})
+        if now < 20:
+            return httpx.Response(400, json={"error": "authorization_pending"})
+        return httpx.Response(200, json={"access_token": "secret", "token_type": "bearer", "username": "ivan"})
+
+    lines = []
+    credential = device_login("http://p/", say=lines.append, transport=httpx.MockTransport(answer),
+                              sleep=lambda seconds: clock.update(now=clock["now"] + seconds))
+    assert credential == Credential("http://p", "secret", "ivan")
+    assert clock["now"] == 2 + 7 + 7 + 7  # first poll after 2 s, then every 7 s
+    assert "http://p/device" in lines[0] and "BCDF-GHJK" in lines[0]
+
+
+def test_device_login_says_when_the_portal_is_unreachable():
+    with pytest.raises(PortalError, match="cannot reach the portal at http://127.0.0.1:1 "):
+        device_login("http://127.0.0.1:1/", say=lambda line: None)
+
+
+def test_the_credentials_file_is_private_and_logout_removes_it(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    assert load_credential("http://a.example") is None and forget_credential("http://a.example") is False
+    path = save_credential(Credential("http://a.example/", "secret-a", "alice"))
+    save_credential(Credential("http://b.example", "secret-b", "bob"))
+    assert path == tmp_path / "config" / "dedloc" / "credentials.json"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600 and stat.S_IMODE(path.parent.stat().st_mode) == 0o700
+    assert load_credential("http://a.example") == Credential("http://a.example", "secret-a", "alice")
+    save_credential(Credential("http://a.example", "secret-a2", "alice"))  # a new login replaces the old one
+    assert load_credential("http://a.example/").access_token == "secret-a2"
+    assert stat.S_IMODE(path.stat().st_mode) == 0o600
+    assert forget_credential("http://a.example") is True and load_credential("http://a.example") is None
+    assert load_credential("http://b.example").username == "bob"
+    assert forget_credential("http://b.example") is True and not path.exists()
+
+
+# schema ----------------------------------------------------------------------------------------------------------
+
+def test_the_identity_migration_goes_up_and_down(database_url):
+    def tables() -> set[str]:
+        engine = make_engine(database_url)
+        try:
+            return set(inspect(engine).get_table_names())
+        finally:
+            engine.dispose()
+
+    identity = {"users", "api_credentials", "device_codes"}
+    migrate(database_url, "0002")
+    assert identity <= tables()
+    downgrade(database_url, "0001")
+    assert not identity & tables() and "runs" in tables()
+    migrate(database_url)
+    assert identity <= tables()

@@ -1,0 +1,263 @@
+"""Admission: no peer without a valid token of this run gets anything out of this process.
+
+hivemind's ``authorizer`` protects only the DHT (ping, store, find). Matchmaking, all-reduce parts and state
+download are open to any libp2p peer that knows one address (hivemind-notes.md, "Authorization"). So:
+
+- ``RunAuthorizer`` (a ``TokenAuthorizerBase``) guards the DHT: the caller's token must be signed by the run's
+  authority, unexpired, and not of a banned user.
+- ``guard_handlers`` wraps every *other* handler registered on a libp2p node of this process and its children
+  (the averagers run in forked processes): the caller's authenticated PeerID must belong to a valid token.
+- Which PeerIDs hold valid tokens is decided locally, by the ``AdmissionKeeper`` thread of the main process: it
+  reads the tokens every peer publishes in the DHT and the coordinator's signed denylist, verifies them with the
+  authority's public key, and writes the verdict into a file the child processes read. No call to the portal
+  per RPC.
+
+The hivemind internals this relies on (``P2P.add_protobuf_handler``, ``P2PContext.remote_id``, the DHT's handler
+names, ``TokenAuthorizerBase``) are pinned by tests/test_admission.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from datetime import datetime, timezone
+from functools import wraps
+from pathlib import Path
+from typing import Callable, Optional
+
+from hivemind.p2p import P2P
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils.auth import TokenAuthorizerBase
+from hivemind.utils.timed_storage import get_dht_time
+
+from .contract import PeerToken, denylist_payload, token_payload
+from .signing import load_public_openssh, peer_id_of, verify
+
+# A handler refuses an unknown caller only after giving the keeper this long to learn a newcomer's token.
+NEWCOMER_GRACE = 6.0
+DHT_HANDLERS = "DHTProtocol."  # guarded by RunAuthorizer, which sees the token inside each request
+
+
+def parse_expiration(text: str) -> float:
+    """Seconds since the epoch of a token's naive-UTC expiration time."""
+    return datetime.fromisoformat(text).replace(tzinfo=timezone.utc).timestamp()
+
+
+def to_access_token(token: PeerToken) -> AccessToken:
+    return AccessToken(username=token.username, public_key=token.public_key.encode(),
+                       expiration_time=token.expiration_time, signature=token.signature.encode())
+
+
+class TokenCheck:
+    """Verifies tokens against the run's authority key and a set of banned usernames."""
+
+    def __init__(self, authority_public_key: str):
+        self.authority = load_public_openssh(authority_public_key)
+
+    def verdict(self, token: AccessToken, denied: frozenset = frozenset(), now: Optional[float] = None) -> str:
+        """'' when the token is valid, else why not (in words)."""
+        payload = token_payload(token.username, token.public_key, token.expiration_time)
+        if not verify(self.authority, payload, token.signature):
+            return "its signature is not the run's authority's"
+        try:
+            if parse_expiration(token.expiration_time) < (now or time.time()):
+                return "it has expired"
+        except ValueError:
+            return "its expiration time is malformed"
+        if token.username in denied:
+            return f"{token.username} is banned"
+        return ""
+
+
+class AdmissionState:
+    """Files in a private folder that the main process writes and hivemind's child processes read:
+    this peer's current token, and which PeerIDs are admitted."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.token_path, self.allow_path = folder / "token.bin", folder / "admitted.json"
+        self._cache: tuple[int, dict] = (-1, {"peers": {}, "denied": []})
+
+    def write_token(self, token: AccessToken) -> None:
+        self._write(self.token_path, token.SerializeToString())
+
+    def read_token(self) -> AccessToken:
+        return AccessToken.FromString(self.token_path.read_bytes())
+
+    def write_admitted(self, peers: dict[str, float], denied: list[str]) -> None:
+        self._write(self.allow_path, json.dumps({"peers": peers, "denied": sorted(denied)}).encode())
+
+    def admitted(self) -> dict:
+        try:
+            stamp = self.allow_path.stat().st_mtime_ns
+        except FileNotFoundError:
+            return {"peers": {}, "denied": []}
+        if stamp != self._cache[0]:
+            self._cache = (stamp, json.loads(self.allow_path.read_text()))
+        return self._cache[1]
+
+    def denied(self) -> frozenset:
+        return frozenset(self.admitted()["denied"])
+
+    def admits(self, peer_id: str) -> bool:
+        expiry = self.admitted()["peers"].get(peer_id)
+        return expiry is not None and expiry > time.time()
+
+    def _write(self, path: Path, data: bytes) -> None:
+        temporary = path.with_suffix(".tmp")
+        temporary.write_bytes(data)
+        os.replace(temporary, path)
+
+
+class RunAuthorizer(TokenAuthorizerBase):
+    """The DHT's authorizer: this peer's token comes from ``state``; callers' tokens are checked locally."""
+
+    def __init__(self, check: TokenCheck, state: AdmissionState, local_private_key=None):
+        super().__init__(local_private_key)
+        self.check, self.state = check, state
+
+    async def get_token(self) -> AccessToken:
+        return self.state.read_token()
+
+    def is_token_valid(self, access_token: AccessToken) -> bool:
+        return self.check.verdict(access_token, self.state.denied()) == ""
+
+    def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
+        # The keeper refreshes the file well before expiry; pick up whatever it wrote.
+        return access_token.SerializeToString() != self.state.token_path.read_bytes()
+
+
+async def wait_admitted(state: AdmissionState, peer_id: str, grace: float = NEWCOMER_GRACE) -> bool:
+    import asyncio
+
+    deadline = time.monotonic() + grace
+    while not state.admits(peer_id):
+        if time.monotonic() > deadline or str(peer_id) in state.denied():
+            return False
+        await asyncio.sleep(0.25)
+    return True
+
+
+def guard_handlers(state: AdmissionState) -> None:
+    """Make every non-DHT handler registered from now on (in this process and its forks) refuse callers whose
+    PeerID holds no valid token. Call before creating the DHT or any averager."""
+    original = getattr(P2P.add_protobuf_handler, "__wrapped__", P2P.add_protobuf_handler)
+
+    @wraps(original)
+    async def add_protobuf_handler(self, name, handler, input_protobuf_type, *, stream_input=False,
+                                   stream_output=False, balanced=False):
+        if not name.split("::")[-1].startswith(DHT_HANDLERS):
+            handler = _guarded(handler, name, state, streaming=stream_input or stream_output)
+        return await original(self, name, handler, input_protobuf_type, stream_input=stream_input,
+                              stream_output=stream_output, balanced=balanced)
+
+    P2P.add_protobuf_handler = add_protobuf_handler
+
+
+class Refused(PermissionError):
+    pass
+
+
+def _guarded(handler: Callable, name: str, state: AdmissionState, streaming: bool) -> Callable:
+    async def refuse_unless_admitted(context) -> None:
+        if not await wait_admitted(state, str(context.remote_id)):
+            raise Refused(f"{context.remote_id} holds no valid token of this run; {name} refused")
+
+    if streaming:
+        async def guarded_stream(request, context):
+            await refuse_unless_admitted(context)
+            output = handler(request, context)
+            if hasattr(output, "__aiter__"):
+                async for item in output:
+                    yield item
+            else:
+                yield await output
+
+        return guarded_stream
+
+    async def guarded_unary(request, context):
+        await refuse_unless_admitted(context)
+        return await handler(request, context)
+
+    return guarded_unary
+
+
+class AdmissionKeeper(threading.Thread):
+    """Main-process thread: keeps this peer's token fresh and the admitted set current.
+
+    :param refresh: returns a new ``PeerToken`` (asks the portal, or signs locally on the coordinator); raises
+        with a reason in words when the run refuses
+    :param stop: set when the run refuses this peer (``failure`` says why), so training ends
+    :param interval: seconds between two reads of the DHT's tokens and denylist
+    """
+
+    def __init__(self, dht, run_id: str, state: AdmissionState, check: TokenCheck, signature,
+                 refresh: Callable[[], PeerToken], stop: threading.Event, interval: float = 3.0):
+        super().__init__(name="dedloc-admission", daemon=True)
+        self.dht, self.run_id, self.state, self.check, self.signature = dht, run_id, state, check, signature
+        self.refresh, self.stop, self.interval = refresh, stop, interval
+        self.failure: Optional[str] = None
+        self.halted = threading.Event()
+        self.token, self.issued = state.read_token(), time.time()
+
+    def run(self) -> None:
+        from .records import publish_token, read_denylist, read_tokens
+
+        while not self.halted.is_set():
+            try:
+                self._refresh_if_needed()
+                publish_token(self.dht, self.run_id, self.signature, self.token)
+                denied = read_denylist(self.dht, self.run_id, self.check)
+                if self.token.username in denied:
+                    raise Refused(f"{self.token.username} was banned from this run by its organizers")
+                tokens = read_tokens(self.dht, self.run_id)
+                self.state.write_admitted(admitted_peers(tokens, self.check, frozenset(denied)), denied)
+            except Refused as e:
+                self.failure = str(e)
+                self.stop.set()
+                return
+            except Exception as e:  # the DHT or the portal briefly unavailable: keep what we have, retry
+                if not self.halted.is_set():
+                    print(f"admission: {type(e).__name__}: {e}; retrying", flush=True)
+            self.halted.wait(self.interval)
+
+    def halt(self) -> None:
+        """Stop before the DHT shuts down (the thread uses it)."""
+        self.halted.set()
+        self.join(timeout=10)
+
+    def _refresh_if_needed(self) -> None:
+        """Ask for a new token once half of the current one's life has passed."""
+        expires = parse_expiration(self.token.expiration_time)
+        if time.time() < self.issued + (expires - self.issued) / 2:
+            return
+        try:
+            self.token = to_access_token(self.refresh())
+        except Refused:
+            raise
+        except Exception as e:
+            if time.time() >= expires:
+                raise Refused(f"this peer's token expired and no new one could be had ({e})") from e
+            raise
+        self.issued = time.time()
+        self.state.write_token(self.token)
+
+
+def admitted_peers(tokens: list[AccessToken], check: TokenCheck, denied: frozenset) -> dict[str, float]:
+    """PeerID -> expiry (seconds since the epoch) for every valid token seen."""
+    peers: dict[str, float] = {}
+    now = get_dht_time()
+    for token in tokens:
+        if check.verdict(token, denied, now) == "":
+            try:
+                peer = peer_id_of(token.public_key)
+            except ValueError:
+                continue
+            peers[peer] = max(peers.get(peer, 0.0), parse_expiration(token.expiration_time))
+    return peers
+
+
+def denylist_is_authentic(check: TokenCheck, usernames: list[str], issued_at: float, signature: str) -> bool:
+    return verify(check.authority, denylist_payload(usernames, issued_at), signature)

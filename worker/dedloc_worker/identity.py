@@ -1,0 +1,28 @@
+"""One RSA key per worker process: its libp2p identity, the key in its peer token, the owner of its records."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+
+from .signing import peer_id_of
+
+
+class PeerIdentity:
+    """This process's key (hivemind's process-wide key, so the Optimizer's signed records use it too).
+
+    :param folder: a private folder; the libp2p identity file for p2pd is written there with mode 0600
+    """
+
+    def __init__(self, folder: Path, private_key: RSAPrivateKey | None = None):
+        self.private_key = private_key or RSAPrivateKey.process_wide()
+        self.public_key: bytes = self.private_key.get_public_key().to_bytes()  # OpenSSH format
+        self.peer_id = peer_id_of(self.public_key)
+        self.identity_path = folder / "identity.key"
+        encoded = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=self.private_key.to_bytes())
+        descriptor = os.open(self.identity_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(encoded.SerializeToString())

@@ -1,0 +1,106 @@
+"""``dedloc-worker join``: sign-in, peer token, admission, swarm, training, clean exit, in that order."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from .errors import AdmissionError, SwarmError
+
+CREDENTIAL_ENV = "DEDLOC_WORKER_CREDENTIAL"  # for headless machines: a credential issued by the portal
+
+
+def obtain_credential(portal_url: str) -> str:
+    """The API credential for ``portal_url``: from the environment, the saved login, or a new device login."""
+    if os.environ.get(CREDENTIAL_ENV):
+        return os.environ[CREDENTIAL_ENV]
+    from .login import device_login, load_credential, save_credential
+
+    credential = load_credential(portal_url)
+    if credential is None:
+        credential = device_login(portal_url)
+        save_credential(credential)
+    return credential.access_token
+
+
+def run_join(args, stop: threading.Event):
+    """Join the run and train until ``stop`` or ``--max-epochs``; returns the training result."""
+    # Heavy imports here, after the command line is known to be valid: `--help` stays instant.
+    import torch
+
+    from .cleanup import end_descendants
+    from .tasks import load_task_class
+
+    torch.set_num_threads(args.threads)
+    folder = Path(tempfile.mkdtemp(prefix="dedloc-worker-"))  # mode 0700: our key and token live here
+    try:
+        return _join(args, stop, folder, load_task_class)
+    finally:
+        end_descendants()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _join(args, stop, folder: Path, load_task_class):
+    from .admission import AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, guard_handlers, to_access_token
+    from .identity import PeerIdentity
+    from .portal import fetch_join_info, request_peer_token, wait_for_peers
+    from .progress import ProgressDisplay
+    from .records import add_record_validators
+    from .trainer import train
+
+    fetch_join_info(args.portal, args.run)  # an unknown run or an unreachable portal fails before any login
+    credential = obtain_credential(args.portal)
+    identity = PeerIdentity(folder)
+    refresh = lambda: request_peer_token(args.portal, args.run, credential, identity.public_key)  # noqa: E731
+    grant = refresh()
+    deadline = time.monotonic() + args.wait
+    info = grant.join if grant.join.initial_peers else wait_for_peers(args.portal, args.run, args.wait)
+    config, username = info.config, grant.token.username
+    task = load_task_class(config.task)(config.task_options, config.seed)
+    print(f"joining run {config.slug!r} as {username}: task {config.task}, "
+          f"global batch {config.target_batch_size} samples", flush=True)
+
+    state, check = AdmissionState(folder), TokenCheck(grant.authority_public_key)
+    state.write_token(to_access_token(grant.token))
+    guard_handlers(state)  # before any hivemind process forks
+    authorizer = RunAuthorizer(check, state, identity.private_key)
+    dht = join_swarm(args, info, deadline, identity.identity_path, authorizer)
+    keeper = None
+    try:
+        signature = add_record_validators(dht, config.run_id, identity.private_key)
+        keeper = AdmissionKeeper(dht, config.run_id, state, check, signature, lambda: refresh().token, stop)
+        keeper.start()
+        with ProgressDisplay() as display:
+            result = train(dht, config, task, username, stop, signature, args.max_epochs, args.client,
+                           display.update)
+        if keeper.failure:
+            raise AdmissionError(keeper.failure)
+        result.username = username
+        return result
+    finally:
+        if keeper is not None:
+            keeper.halt()
+        dht.shutdown()
+
+
+def join_swarm(args, info, deadline: float, identity_path: Path, authorizer):
+    """Start the DHT node; while the run's peers are unreachable (a coordinator restarting), ask the portal
+    again until ``deadline``."""
+    from hivemind.p2p import P2PDaemonError
+
+    from .portal import wait_for_peers
+    from .swarm import create_dht
+
+    while True:
+        try:
+            return create_dht(info.initial_peers, args.listen, args.client, str(identity_path), authorizer)
+        except P2PDaemonError as e:
+            if time.monotonic() > deadline:
+                raise SwarmError(f"cannot reach any peer of run {args.run!r} ({e}); retry in a minute") from None
+            print("the run's coordinator is unreachable; asking the portal again...", flush=True)
+            time.sleep(2.0)
+            info = wait_for_peers(args.portal, args.run, max(deadline - time.monotonic(), 1.0))
