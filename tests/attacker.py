@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import tempfile
 from pathlib import Path
 
 import hivemind
 from dedloc_worker.identity import PeerIdentity
+from dedloc_worker.records import add_record_validators, publish_token
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
@@ -62,21 +64,26 @@ def probe(victim: str, run_id: str, key: RSAPrivateKey, token: AccessToken | Non
     authorizer = CarriesAnyToken(token, key) if token is not None else None
     victim_id = PeerID.from_base58(victim.rsplit("/p2p/", 1)[1])
     dht = hivemind.DHT(initial_peers=[victim], client_mode=True, identity_path=str(identity.identity_path),
-                       authorizer=authorizer, start=True)
+                       authorizer=authorizer, ensure_bootstrap_success=False, start=True)
     try:
-        async def dht_calls(_, node) -> dict:
-            key_id = DHTID.generate(f"{run_id}_metrics")
-            return {
-                "dht_find": await outcome(lambda: node.protocol.call_find(victim_id, [key_id])),
-                "dht_store": await outcome(lambda: node.protocol.call_store(
-                    victim_id, [key_id], [b"junk"], [get_dht_time() + 60])),
-            }
-
-        results = dht.run_coroutine(dht_calls)
+        if token is not None:  # announce the token as a legitimate worker does; a victim must still check it
+            signature = add_record_validators(dht, run_id, key)
+            publish_token(dht, run_id, signature, token)
+        results = dht.run_coroutine(functools.partial(dht_calls, victim_id=victim_id, run_id=run_id))
         results.update(asyncio.run(averaging_calls(dht, victim_id, run_id)))
         return results
     finally:
         dht.shutdown()
+
+
+async def dht_calls(_dht, node, victim_id: PeerID, run_id: str) -> dict:
+    """Runs inside the DHT process: find and store straight at the victim."""
+    key_id = DHTID.generate(f"{run_id}_metrics")
+    return {
+        "dht_find": await outcome(lambda: node.protocol.call_find(victim_id, [key_id])),
+        "dht_store": await outcome(lambda: node.protocol.call_store(victim_id, [key_id], [b"junk"],
+                                                                    [get_dht_time() + 60])),
+    }
 
 
 async def averaging_calls(dht, victim_id: PeerID, run_id: str) -> dict:
@@ -91,19 +98,20 @@ async def averaging_calls(dht, victim_id: PeerID, run_id: str) -> dict:
     async def parts():
         yield averaging_pb2.AveragingData(group_id=b"attack", code=averaging_pb2.PART_FOR_AVERAGING)
 
+    calls = {
+        "matchmaking": lambda: first_message(
+            f"{run_id}_grad_averager::GradientAverager.rpc_join_group",
+            averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 5),
+            averaging_pb2.MessageFromLeader),
+        "allreduce_part": lambda: first_message(
+            f"{run_id}_grad_averager::GradientAverager.rpc_aggregate_part", parts(), averaging_pb2.AveragingData),
+        "state_download": lambda: first_message(
+            f"{run_id}_state_averager::TrainingStateAverager.rpc_download_state",
+            averaging_pb2.DownloadRequest(), averaging_pb2.DownloadData),
+    }
     try:
-        return {
-            "matchmaking": await outcome(lambda: first_message(
-                f"{run_id}_grad_averager::GradientAverager.rpc_join_group",
-                averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 5),
-                averaging_pb2.MessageFromLeader)),
-            "allreduce_part": await outcome(lambda: first_message(
-                f"{run_id}_grad_averager::GradientAverager.rpc_aggregate_part", parts(),
-                averaging_pb2.AveragingData)),
-            "state_download": await outcome(lambda: first_message(
-                f"{run_id}_state_averager::TrainingStateAverager.rpc_download_state",
-                averaging_pb2.DownloadRequest(), averaging_pb2.DownloadData)),
-        }
+        outcomes = await asyncio.gather(*(outcome(call) for call in calls.values()))
+        return dict(zip(calls, outcomes))
     finally:
         await p2p.shutdown()
 

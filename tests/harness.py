@@ -133,6 +133,33 @@ class Deployment:
         self.processes[username] = proc
         return proc
 
+    def start_swarm(self, workers: list[str], *worker_args: str) -> None:
+        """A fresh run; the first worker takes the first step alone, the others join late and load its state.
+
+        Started together, fresh peers each take epoch 0 alone before they find each other, and their
+        parameters part for good (state averaging pulls them close, never equal): a real run has one founder.
+        """
+        self.create_run(target_batch_size=3072)
+        self.start_portal()
+        self.start_coordinator()
+        self.wait_for_coordinator()
+        first, *others = workers
+        self.start_worker(first, *worker_args)
+        wait_for(lambda: self.swarm()["epoch"] >= 1, 90, f"{first} to take the first step")
+        for name in others:
+            self.start_worker(name, *worker_args)
+
+    def worker_addresses(self) -> list[str]:
+        """Multiaddrs (with /p2p/ID) of workers the coordinator saw lately."""
+        from app.models import Coordinator
+
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                return [addr for row in session.scalars(select(Coordinator)) for addr in row.known_peers]
+        finally:
+            engine.dispose()
+
     def report_path(self, username: str) -> Path:
         return self.workdir / f"{username}.json"
 

@@ -142,3 +142,29 @@ def test_admission_policy_bans_and_limits(run, tmp_path):
         tokens.issue_peer_token(session, settings, the_run, "carol", key())
     denylist = tokens.signed_denylist(session, settings, the_run)
     assert denylist["usernames"] == []
+    the_run.admission = "open"
+    session.commit()
+    same_key = key()
+    tokens.issue_peer_token(session, settings, the_run, "bob", same_key)  # bob's 2nd and 3rd request this minute
+    tokens.issue_peer_token(session, settings, the_run, "bob", same_key)
+    with pytest.raises(TooManyRequests, match="more than 3 token requests in a minute"):
+        tokens.issue_peer_token(session, settings, the_run, "bob", same_key)
+
+
+def test_an_expired_token_with_the_portal_unreachable_stops_the_worker_with_words(tmp_path):
+    import threading
+
+    from dedloc_worker.admission import AdmissionKeeper, Refused
+    from dedloc_worker.errors import PortalError
+
+    authority, peer = new_private_key(), RSAPrivateKey()
+    state = AdmissionState(tmp_path)
+    state.write_token(make_token(authority, "alice", peer, lifetime=-1))
+
+    def portal_down():
+        raise PortalError("cannot reach the portal at http://portal.invalid")
+
+    keeper = AdmissionKeeper(None, "run", state, TokenCheck(public_openssh(authority).decode()), None,
+                             portal_down, threading.Event())
+    with pytest.raises(Refused, match="token expired and no new one could be had .*cannot reach the portal"):
+        keeper._refresh_if_needed()

@@ -21,25 +21,8 @@ def epoch_losses(deployment, username: str) -> list[float]:
     return [c["loss_sum"] / c["mini_steps"] for c in deployment.report(username)["contributions"] if c["mini_steps"]]
 
 
-def start_swarm(deployment, workers: list[str], *worker_args: str) -> None:
-    """A fresh run; the first worker takes the first step alone, the others join late and load its state.
-
-    Started together, fresh peers each take epoch 0 alone before they find each other, and their parameters
-    part for good (state averaging pulls them close, never equal): a real run has one founder, too.
-    """
-    deployment.create_run(target_batch_size=3072)
-    deployment.start_portal()
-    deployment.start_coordinator()
-    deployment.wait_for_coordinator()
-    first, *others = workers
-    deployment.start_worker(first, *worker_args)
-    wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, f"{first} to take the first step")
-    for name in others:
-        deployment.start_worker(name, *worker_args)
-
-
 def test_two_workers_train_one_model_and_every_sample_is_credited(deployment):
-    start_swarm(deployment, ["alice", "bob"], "--max-epochs", "5")
+    deployment.start_swarm(["alice", "bob"], "--max-epochs", "5")
     for name in ("alice", "bob"):
         assert deployment.wait_exit(name, timeout=180) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]
 
@@ -68,7 +51,7 @@ def test_two_workers_train_one_model_and_every_sample_is_credited(deployment):
 
 
 def test_a_killed_worker_leaves_and_the_other_carries_on(deployment):
-    start_swarm(deployment, ["alice", "bob"])
+    deployment.start_swarm(["alice", "bob"])
     wait_for(lambda: deployment.swarm()["peers_online"] == 2 and deployment.swarm()["epoch"] >= 1, 120,
              "two peers online past epoch 1")
 
@@ -88,7 +71,7 @@ def test_a_killed_worker_leaves_and_the_other_carries_on(deployment):
 
 
 def test_a_coordinator_crash_neither_loses_nor_doubles_credit(deployment):
-    start_swarm(deployment, ["alice", "bob"], "--max-epochs", "6")
+    deployment.start_swarm(["alice", "bob"], "--max-epochs", "6")
     wait_for(lambda: deployment.swarm()["peers_online"] == 2, 60, "both workers online")
     wait_for(lambda: deployment.credited_by_user(), 60, "the first credited epoch")
 

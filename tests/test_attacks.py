@@ -1,0 +1,108 @@
+"""Attacks on a running swarm of legitimate workers, each from a real process on loopback: a peer without a
+valid token of the run gets nothing out of it, on any RPC."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+
+import pytest
+import torch
+from dedloc_worker.contract import token_payload
+from dedloc_worker.signing import new_private_key, sign
+from hivemind.proto.auth_pb2 import AccessToken
+from hivemind.utils.crypto import RSAPrivateKey
+
+from app import runs, tokens
+from app.config import Settings
+from app.db import make_engine, make_sessionmaker
+from tests.harness import wait_for
+
+pytestmark = pytest.mark.swarm
+ATTACKER = Path(__file__).with_name("attacker.py")
+CALLS = ("dht_find", "dht_store", "matchmaking", "allreduce_part", "state_download")
+
+
+def signed_token(authority, username: str, key: RSAPrivateKey, lifetime: float) -> AccessToken:
+    expiration = (datetime.now(timezone.utc) + timedelta(seconds=lifetime)).replace(tzinfo=None)
+    expiration_time = expiration.isoformat(timespec="seconds")
+    public_key = key.get_public_key().to_bytes()
+    return AccessToken(username=username, public_key=public_key, expiration_time=expiration_time,
+                       signature=sign(authority, token_payload(username, public_key, expiration_time)).encode())
+
+
+def start_attack(deployment, victim: str, key: RSAPrivateKey, token: AccessToken | None, name: str):
+    """Start the attacker process with ``key`` as its identity and ``token`` (or none)."""
+    key_file = deployment.workdir / f"{name}.der"
+    key_file.write_bytes(key.to_bytes())
+    args = [sys.executable, str(ATTACKER), victim, f"dedloc-{deployment.slug}", str(key_file)]
+    if token is not None:
+        token_file = deployment.workdir / f"{name}.token"
+        token_file.write_bytes(token.SerializeToString())
+        args += ["--token", str(token_file)]
+    return deployment.start(f"attacker-{name}", *args[1:])
+
+
+def outcome_of(deployment, name: str) -> dict:
+    """What each call of a finished attacker returned."""
+    assert deployment.wait_exit(f"attacker-{name}", timeout=120) == 0
+    lines = (deployment.logs / f"attacker-{name}.log").read_text().splitlines()
+    return json.loads(next(line for line in reversed(lines) if line.startswith("{")))
+
+
+def test_no_token_forged_expired_stolen_or_banned_gets_nothing(deployment):
+    deployment.start_swarm(["alice", "bob"], "--max-epochs", "12")
+    wait_for(lambda: deployment.swarm()["peers_online"] == 2, 90, "both workers online")
+    victim = wait_for(deployment.worker_addresses, 30, "a worker address")[0]
+
+    settings = Settings(data_dir=deployment.workdir / "var")
+    engine = make_engine(deployment.database_url)
+    with make_sessionmaker(engine)() as session:
+        run = runs.get_run(session, deployment.slug)
+        authority = tokens.authority_key(session, settings, run)
+        mallory_key = RSAPrivateKey()
+        mallory = signed_token(authority, "mallory", mallory_key, 600)
+        tokens.ban_user(session, run, "mallory", banned_by="test")
+    engine.dispose()
+
+    # The harness itself must be able to reach everything: a legitimate token on the attacker's own key.
+    carol = RSAPrivateKey()
+    start_attack(deployment, victim, carol, signed_token(authority, "carol", carol, 600), "control")
+    control = outcome_of(deployment, "control")
+    assert control == {call: "reached" for call in CALLS}, control
+
+    # Each attacker has a fresh key (carol's stays admitted while her token lives).
+    keys = {name: RSAPrivateKey() for name in ("none", "forged", "expired", "stolen")}
+    attempts = {
+        "no token": (keys["none"], None),
+        "forged": (keys["forged"], signed_token(new_private_key(), "alice", keys["forged"], 600)),
+        "expired": (keys["expired"], signed_token(authority, "alice", keys["expired"], -60)),
+        "stolen (valid token of another key)": (keys["stolen"], signed_token(authority, "alice", RSAPrivateKey(), 600)),
+        "banned": (mallory_key, mallory),
+    }
+    for name, (key, token) in attempts.items():  # all at once: the swarm is under attack from five sides
+        start_attack(deployment, victim, key, token, name.split()[0])
+    for name in attempts:
+        outcome = outcome_of(deployment, name.split()[0])
+        refused = {call: result for call, result in outcome.items() if result.startswith("refused")}
+        assert set(refused) == set(CALLS), f"{name}: {outcome}"
+
+    for name in ("alice", "bob"):
+        assert deployment.wait_exit(name, timeout=240) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]
+    alice, bob = torch.load(deployment.workdir / "alice.pt"), torch.load(deployment.workdir / "bob.pt")
+    assert max((alice[k] - bob[k]).abs().max().item() for k in alice) < 1e-5
+
+
+def test_a_banned_worker_is_cut_off_within_a_minute_and_told_why(deployment):
+    deployment.start_swarm(["alice", "mallory"])
+    wait_for(lambda: deployment.swarm()["peers_online"] == 2, 90, "both workers online")
+    banned_at = time.monotonic()
+    assert deployment.cli("ban", deployment.slug, "mallory", "--reason", "poisoned gradients").returncode == 0
+    assert deployment.wait_exit("mallory", timeout=60) == 6
+    print(f"mallory was cut off {time.monotonic() - banned_at:.1f} s after the ban")
+    assert "mallory was banned from this run by its organizers" in (deployment.logs / "mallory.log").read_text()
+    epoch = deployment.swarm()["epoch"]
+    wait_for(lambda: deployment.swarm()["epoch"] >= epoch + 2, 90, "alice to carry on")
