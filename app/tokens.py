@@ -140,6 +140,38 @@ def unban_user(session: Session, run: Run, username: str) -> None:
         session.commit()
 
 
+def set_admission(session: Session, run: Run, policy: str, org: str | None = None) -> None:
+    """Change who may get tokens; ``Invalid`` for an unknown policy or an "org" policy without an org."""
+    if policy not in ADMISSION_POLICIES:
+        raise Invalid(f"admission must be one of {', '.join(ADMISSION_POLICIES)}")
+    if policy == "org" and not (org or "").strip():
+        raise Invalid("name the Hugging Face organization whose members this run admits")
+    run.admission, run.admission_org = policy, (org or "").strip() or None
+    session.commit()
+
+
+def allowlist(session: Session, run: Run) -> list[str]:
+    return sorted(session.scalars(select(RunAllowlistEntry.username).where(RunAllowlistEntry.run_id == run.id)))
+
+
+def allow_user(session: Session, run: Run, username: str) -> None:
+    if username not in allowlist(session, run):
+        session.add(RunAllowlistEntry(run_id=run.id, username=username))
+        session.commit()
+
+
+def disallow_user(session: Session, run: Run, username: str) -> None:
+    entry = session.scalar(select(RunAllowlistEntry).where(
+        RunAllowlistEntry.run_id == run.id, RunAllowlistEntry.username == username))
+    if entry is not None:
+        session.delete(entry)
+        session.commit()
+
+
+def bans(session: Session, run: Run) -> list[RunBan]:
+    return list(session.scalars(select(RunBan).where(RunBan.run_id == run.id).order_by(RunBan.created_at)))
+
+
 def banned_usernames(session: Session, run: Run) -> list[str]:
     return sorted(session.scalars(select(RunBan.username).where(RunBan.run_id == run.id)))
 
