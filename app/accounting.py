@@ -37,6 +37,8 @@ def credit_contributions(session: Session, run: Run, seen: Iterable[SignedMetric
             loss_sum=c.loss_sum,
             mini_steps=c.mini_steps,
             seconds=c.seconds,
+            credited=c.samples,
+            held=0,
         )
         for item in seen
         for c in item.record.recent

@@ -58,6 +58,8 @@ class Run(Base):
     # Who may get peer tokens: "open" (any signed-in user), "allowlist", or "org" (members of admission_org).
     admission: Mapped[str] = mapped_column(String(20), default="open")
     admission_org: Mapped[Optional[str]] = mapped_column(String(100), nullable=True)
+    # Plausibility: a claim above this many samples per second per peer is held, not credited.
+    samples_per_second_ceiling: Mapped[float] = mapped_column(Float, default=5000.0)
     # The run's token authority: RSA private key, encrypted with the portal's secret key (Fernet).
     authority_key_encrypted: Mapped[Optional[bytes]] = mapped_column(LargeBinary, nullable=True)
 
@@ -96,7 +98,11 @@ class Snapshot(Base):
 
 
 class Contribution(Base):
-    """Samples one peer key put into one collaboration step. One row per (run, peer key, epoch), ever."""
+    """Samples one peer key claims it put into one collaboration step, and how much of that is credited.
+
+    One row per (run, peer key, epoch), ever. ``samples`` is the claim; ``credited + held == samples``;
+    ``reason`` says in words why anything is held.
+    """
 
     __tablename__ = "contributions"
     __table_args__ = (UniqueConstraint("run_id", "peer_key", "epoch"),)
@@ -111,6 +117,40 @@ class Contribution(Base):
     mini_steps: Mapped[int] = mapped_column(Integer)
     seconds: Mapped[float] = mapped_column(Float)
     recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    credited: Mapped[int] = mapped_column(BigInteger, default=0)
+    held: Mapped[int] = mapped_column(BigInteger, default=0)
+    reason: Mapped[Optional[str]] = mapped_column(String(300), nullable=True)
+    # An organizer who released held credit: the row then stays credited in full.
+    released_by: Mapped[Optional[str]] = mapped_column(String(100), nullable=True)
+
+
+class Receipt(Base):
+    """An aggregator's signed word: in ``epoch`` it averaged ``sender``'s part with this weight (samples)."""
+
+    __tablename__ = "receipts"
+    __table_args__ = (UniqueConstraint("run_id", "aggregator_key", "epoch", "sender_peer_id"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    aggregator_key: Mapped[str] = mapped_column(String(64))
+    epoch: Mapped[int] = mapped_column(Integer)
+    sender_peer_id: Mapped[str] = mapped_column(String(100))
+    weight: Mapped[float] = mapped_column(Float)
+
+
+class Peer(Base):
+    """A peer key seen in a run: whose it is (from the token table), what hardware it reported, when."""
+
+    __tablename__ = "peers"
+    __table_args__ = (UniqueConstraint("run_id", "peer_key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    peer_key: Mapped[str] = mapped_column(String(64))
+    username: Mapped[str] = mapped_column(String(100), index=True)
+    hardware: Mapped[str] = mapped_column(String(200), default="")
+    first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class PeerTokenRecord(Base):
@@ -123,6 +163,8 @@ class PeerTokenRecord(Base):
     username: Mapped[str] = mapped_column(String(100), index=True)
     peer_public_key: Mapped[str] = mapped_column(Text)
     peer_id: Mapped[str] = mapped_column(String(100), index=True)
+    # The key's fingerprint as it appears in DHT records (contract.record_key_of): links records to a user.
+    record_key: Mapped[str] = mapped_column(String(64), index=True, default="")
     issued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 

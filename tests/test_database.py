@@ -13,7 +13,7 @@ from app.accounting import SignedMetrics, credit_contributions, leaderboard, sam
 from app.db import downgrade, make_engine, migrate
 from app.errors import Invalid, NotFound
 
-TABLES = {"runs", "coordinators", "snapshots", "contributions", "users", "api_credentials", "device_codes",
+TABLES = {"runs", "coordinators", "snapshots", "contributions", "users", "api_credentials", "device_codes", "receipts", "peers",
           "peer_tokens", "run_bans", "run_allowlist"}
 
 

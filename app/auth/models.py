@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Optional
 
-from sqlalchemy import CheckConstraint, DateTime, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, Boolean, CheckConstraint, DateTime, ForeignKey, Integer, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from ..models import Base, utcnow
@@ -24,6 +24,12 @@ class User(Base):
     oidc_subject: Mapped[Optional[str]] = mapped_column(String(255), nullable=True)
     oidc_issuer: Mapped[Optional[str]] = mapped_column(String(255), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Public boards and dumps leave hidden users out; they still see their own page.
+    hidden: Mapped[bool] = mapped_column(Boolean, default=False)
+    # The Hugging Face organization this user chooses to represent on team boards (one of `organizations`).
+    team: Mapped[Optional[str]] = mapped_column(String(100), nullable=True)
+    # Organizations the identity provider said this user belongs to, at the last sign-in.
+    organizations: Mapped[list[str]] = mapped_column(JSON, default=list)
 
 
 class ApiCredential(Base):

@@ -26,6 +26,14 @@ def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
 
 
+def record_key_of(public_key: bytes) -> str:
+    """How a peer's key is named in the database: hex SHA-256 of its DHT record subkey "[owner:<key>]"
+    (hivemind's RSASignatureValidator format), so records and issued tokens meet on one string."""
+    import hashlib
+
+    return hashlib.sha256(b"[owner:" + public_key + b"]").hexdigest()
+
+
 def metrics_key(run_id: str) -> str:
     """DHT key of dedloc's per-peer metrics records (written by the worker, signed by its key)."""
     return f"{run_id}_metrics"
