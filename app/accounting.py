@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterable
+from datetime import datetime
+from typing import Iterable, Optional
 
 from dedloc_worker.contract import MetricsRecord
-from sqlalchemy import func, select
+from sqlalchemy import Select, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from .models import Contribution, Run
+from .auth.models import User
+from .models import Contribution, Run, as_utc
 
 
 @dataclass(frozen=True)
@@ -21,66 +23,57 @@ class SignedMetrics:
     record: MetricsRecord
 
 
-def credit_contributions(session: Session, run: Run, seen: Iterable[SignedMetrics]) -> int:
-    """Insert a row per (peer key, epoch) not yet credited; returns how many were new.
-
-    Idempotent by the table's unique constraint, so repeated polls, restarts and several coordinators on one
-    database never count an epoch twice.
-    """
-    rows = {
-        (item.peer_key, c.epoch): dict(
-            run_id=run.id,
-            peer_key=item.peer_key,
-            epoch=c.epoch,
-            username=item.record.username,
-            samples=c.samples,
-            loss_sum=c.loss_sum,
-            mini_steps=c.mini_steps,
-            seconds=c.seconds,
-            credited=c.samples,
-            held=0,
-        )
-        for item in seen
-        for c in item.record.recent
-    }
-    if not rows:
-        return 0
-    dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
-    statement = (
-        dialect.insert(Contribution)
-        .values(list(rows.values()))
-        .on_conflict_do_nothing(index_elements=["run_id", "peer_key", "epoch"])
-        .returning(Contribution.id)
-    )
-    inserted = len(session.execute(statement).all())
-    session.commit()
-    return inserted
-
-
 def samples_total(session: Session, run: Run) -> int:
-    return session.scalar(select(func.coalesce(func.sum(Contribution.samples), 0)).where(Contribution.run_id == run.id))
+    """Credited samples of the run (held samples are not counted until released)."""
+    return session.scalar(select(func.coalesce(func.sum(Contribution.credited), 0)).where(Contribution.run_id == run.id))
 
 
 @dataclass(frozen=True)
 class LeaderboardRow:
+    """A user's standing: credited samples, samples held back, runtime (seconds their peers spent in counted
+    epochs), distinct peer keys, the team they chose, and when the swarm last recorded an epoch of theirs."""
+
     username: str
     samples: int
     runtime_seconds: float
     peers: int
+    held_samples: int = 0
+    team: Optional[str] = None
+    last_seen: Optional[datetime] = None
 
 
-def leaderboard(session: Session, run: Run, limit: int = 100) -> list[LeaderboardRow]:
-    """Users by credited samples, most first; runtime is the time their peers spent in credited epochs."""
-    query = (
-        select(
-            Contribution.username,
-            func.sum(Contribution.samples).label("samples"),
-            func.sum(Contribution.seconds).label("runtime"),
-            func.count(func.distinct(Contribution.peer_key)).label("peers"),
-        )
-        .where(Contribution.run_id == run.id)
-        .group_by(Contribution.username)
-        .order_by(func.sum(Contribution.samples).desc(), Contribution.username)
-        .limit(limit)
+def only_public(query: Select, run: Optional[Run] = None) -> Select:
+    """``query`` over contributions, joined to their users and leaving hidden users out (a username with no
+    user row is public, with no team); limited to ``run`` when one is given."""
+    query = query.outerjoin(User, User.username == Contribution.username).where(User.hidden.is_not(True))
+    return query if run is None else query.where(Contribution.run_id == run.id)
+
+
+def credit_columns() -> tuple:
+    """The aggregates every board shows: credited, held, runtime (seconds), peers, last recorded epoch."""
+    return (
+        func.coalesce(func.sum(Contribution.credited), 0).label("samples"),
+        func.coalesce(func.sum(Contribution.held), 0).label("held"),
+        func.coalesce(func.sum(Contribution.seconds), 0.0).label("runtime"),
+        func.count(func.distinct(Contribution.peer_key)).label("peers"),
+        func.max(Contribution.recorded_at).label("last_seen"),
     )
-    return [LeaderboardRow(r.username, int(r.samples), round(float(r.runtime), 3), int(r.peers)) for r in session.execute(query)]
+
+
+def leaderboard(session: Session, run: Optional[Run] = None, limit: Optional[int] = 100) -> list[LeaderboardRow]:
+    """Public users by credited samples, most first, in ``run`` or across all runs (``run=None``)."""
+    query = only_public(
+        select(Contribution.username, User.team, *credit_columns()).select_from(Contribution), run
+    ).group_by(Contribution.username, User.team).order_by(func.sum(Contribution.credited).desc(), Contribution.username)
+    return [
+        LeaderboardRow(r.username, int(r.samples), round(float(r.runtime), 3), int(r.peers), int(r.held), r.team,
+                       as_utc(r.last_seen) if r.last_seen else None)
+        for r in session.execute(query.limit(limit))
+    ]
+
+
+def credit_by_run(session: Session) -> dict[int, tuple[int, int]]:
+    """(credited, held) samples of every run with contributions, by run id, hidden users included."""
+    query = select(Contribution.run_id, func.sum(Contribution.credited), func.sum(Contribution.held)).group_by(
+        Contribution.run_id)
+    return {run_id: (int(credited or 0), int(held or 0)) for run_id, credited, held in session.execute(query)}

@@ -1,4 +1,5 @@
-"""The ``dedloc`` command for operators and organizers: migrate, create-run, serve, coordinator, demo.
+"""The ``dedloc`` command for operators and organizers: migrate, create-run, serve, coordinator, demo,
+export-stats.
 
 Errors end as one line on stderr and the exit code of the error class (``errors.py``).
 """
@@ -10,6 +11,8 @@ import json
 import signal
 import sys
 import threading
+from contextlib import contextmanager
+from pathlib import Path
 
 from .config import Settings
 from .errors import DedlocError
@@ -27,6 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--target-batch-size", type=int, default=4096, help="samples per collaboration step")
     create.add_argument("--batch-size", type=int, default=16, help="samples per local mini-step")
     create.add_argument("--task-options", type=json.loads, default={}, help="JSON object of task options")
+    create.add_argument("--samples-per-second-ceiling", type=float, default=5000.0,
+                        help="claims above this per peer are held, not credited")
     create.add_argument("--optimizer", type=json.loads, default={}, help="JSON object of optimizer options")
     create.add_argument("--if-missing", action="store_true", help="succeed quietly when the run exists")
 
@@ -40,6 +45,10 @@ def build_parser() -> argparse.ArgumentParser:
         ban.add_argument("username")
         if verb == "ban":
             ban.add_argument("--reason", default="", help="shown to the user")
+
+    export = commands.add_parser("export-stats", help="write the public stats dumps (users and teams, JSON and "
+                                                      "CSV, gzip); the portal serves DATA_DIR/stats under /stats/")
+    export.add_argument("--out", type=Path, help="folder to write to (default: DEDLOC_DATA_DIR/stats)")
 
     serve = commands.add_parser("serve", help="run the web portal")
     serve.add_argument("--host", help="bind address (default from DEDLOC_HOST)")
@@ -88,17 +97,25 @@ def cmd_create_run(args, settings: Settings) -> None:
                 session, slug=args.slug, title=args.title or args.slug, task=args.task,
                 target_batch_size=args.target_batch_size, batch_size=args.batch_size,
                 task_options=args.task_options, optimizer=args.optimizer,
+                samples_per_second_ceiling=args.samples_per_second_ceiling,
             )
         except ValidationError as e:
             raise Invalid(f"bad optimizer options: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
     print(f"created run {run.slug!r}")
 
 
+@contextmanager
 def open_session(settings: Settings):
+    """A session on the migrated database; its engine is disposed after (no connection left to the collector)."""
     from .db import make_engine, make_sessionmaker, migrate
 
     migrate(settings.resolved_database_url)
-    return make_sessionmaker(make_engine(settings.resolved_database_url))()
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            yield session
+    finally:
+        engine.dispose()
 
 
 def cmd_issue_credential(args, settings: Settings) -> None:
@@ -125,6 +142,15 @@ def cmd_unban(args, settings: Settings) -> None:
     with open_session(settings) as session:
         tokens.unban_user(session, runs.get_run(session, args.slug), args.username)
     print(f"{args.username} may join {args.slug} again")
+
+
+def cmd_export_stats(args, settings: Settings) -> None:
+    from .stats_export import export_stats, stats_dir
+
+    out = args.out or stats_dir(settings.data_dir)
+    with open_session(settings) as session:
+        written = export_stats(session, out)
+    print(f"wrote {', '.join(path.name for path in written)} to {out}")
 
 
 def cmd_serve(args, settings: Settings) -> None:
@@ -160,6 +186,7 @@ COMMANDS = {
     "issue-credential": cmd_issue_credential,
     "ban": cmd_ban,
     "unban": cmd_unban,
+    "export-stats": cmd_export_stats,
     "serve": cmd_serve,
     "coordinator": cmd_coordinator,
     "demo": cmd_demo,

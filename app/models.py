@@ -120,19 +120,22 @@ class Contribution(Base):
     credited: Mapped[int] = mapped_column(BigInteger, default=0)
     held: Mapped[int] = mapped_column(BigInteger, default=0)
     reason: Mapped[Optional[str]] = mapped_column(String(300), nullable=True)
+    # The all-reduce round (hivemind group id, hex) the samples went into: receipts are matched on it.
+    group_id: Mapped[str] = mapped_column(String(64), default="", index=True)
     # An organizer who released held credit: the row then stays credited in full.
     released_by: Mapped[Optional[str]] = mapped_column(String(100), nullable=True)
 
 
 class Receipt(Base):
-    """An aggregator's signed word: in ``epoch`` it averaged ``sender``'s part with this weight (samples)."""
+    """An aggregator's signed word: in round ``group_id`` it averaged ``sender``'s part with this weight (samples)."""
 
     __tablename__ = "receipts"
-    __table_args__ = (UniqueConstraint("run_id", "aggregator_key", "epoch", "sender_peer_id"),)
+    __table_args__ = (UniqueConstraint("run_id", "aggregator_key", "group_id", "sender_peer_id"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     aggregator_key: Mapped[str] = mapped_column(String(64))
+    group_id: Mapped[str] = mapped_column(String(64), index=True)
     epoch: Mapped[int] = mapped_column(Integer)
     sender_peer_id: Mapped[str] = mapped_column(String(100))
     weight: Mapped[float] = mapped_column(Float)

@@ -27,12 +27,15 @@ def create_run(
     task_options: Optional[dict[str, Any]] = None,
     optimizer: Optional[dict[str, Any]] = None,
     seed: int = 0,
+    samples_per_second_ceiling: float = 5000.0,
 ) -> Run:
     """Create a run; ``Invalid`` when the slug is malformed or taken, or an option is out of range."""
     if not SLUG.match(slug):
         raise Invalid(f"slug {slug!r} must be lowercase letters, digits and dashes (at most 63)")
     if session.scalar(select(Run).where(Run.slug == slug)):
         raise Invalid(f"a run named {slug!r} already exists")
+    if samples_per_second_ceiling <= 0:
+        raise Invalid("samples_per_second_ceiling must be positive")
     if target_batch_size < batch_size or batch_size < 1:
         raise Invalid("target_batch_size must be at least batch_size, and batch_size at least 1")
     run = Run(
@@ -43,6 +46,7 @@ def create_run(
         target_batch_size=target_batch_size,
         batch_size=batch_size,
         seed=seed,
+        samples_per_second_ceiling=samples_per_second_ceiling,
         optimizer=OptimizerOptions(**(optimizer or {})).model_dump(),
     )
     session.add(run)

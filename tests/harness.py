@@ -90,8 +90,9 @@ class Deployment:
         self.processes: dict[str, subprocess.Popen] = {}
 
     # processes -------------------------------------------------------------------------------------------
-    def start(self, name: str, *args: str) -> subprocess.Popen:
-        proc = spawn([sys.executable, *args], log=self.logs / f"{name}.log", env=self.env, cwd=self.workdir)
+    def start(self, name: str, *args: str, env: dict | None = None) -> subprocess.Popen:
+        proc = spawn([sys.executable, *args], log=self.logs / f"{name}.log", env={**self.env, **(env or {})},
+                     cwd=self.workdir)
         self.processes[name] = proc
         return proc
 
@@ -122,9 +123,10 @@ class Deployment:
         assert done.returncode == 0, done.stderr
         return done.stdout.strip()
 
-    def start_worker(self, username: str, *extra: str) -> subprocess.Popen:
+    def start_worker(self, username: str, *extra: str, script: list[str] = ("-m", "dedloc_worker")):
+        """Start ``dedloc-worker join`` for ``username`` (``script`` replaces ``-m dedloc_worker``)."""
         proc = spawn(
-            [sys.executable, "-m", "dedloc_worker", "join", self.url, "--run", self.slug,
+            [sys.executable, *script, "join", self.url, "--run", self.slug,
              "--listen", "/ip4/127.0.0.1/tcp/0", "--report", str(self.report_path(username)),
              "--state-out", str(self.workdir / f"{username}.pt"), *extra],
             log=self.logs / f"{username}.log", env={**self.env, CREDENTIAL_ENV: self.credential(username)},
@@ -206,6 +208,29 @@ class Deployment:
                     select(Contribution.username, func.sum(Contribution.samples)).group_by(Contribution.username)
                 )
                 return {username: int(samples) for username, samples in rows}
+        finally:
+            engine.dispose()
+
+    def credit_by_user(self) -> dict[str, tuple[int, int]]:
+        """username -> (credited, held) samples."""
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                rows = session.execute(select(Contribution.username, func.sum(Contribution.credited),
+                                              func.sum(Contribution.held)).group_by(Contribution.username))
+                return {username: (int(credited), int(held)) for username, credited, held in rows}
+        finally:
+            engine.dispose()
+
+    def held_reasons(self) -> dict[str, list[str]]:
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                rows = session.execute(select(Contribution.username, Contribution.reason).where(Contribution.held > 0))
+                found: dict[str, list[str]] = {}
+                for username, reason in rows:
+                    found.setdefault(username, []).append(reason or "")
+                return found
         finally:
             engine.dispose()
 

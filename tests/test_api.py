@@ -10,19 +10,18 @@ import pytest
 from fastapi.testclient import TestClient
 
 from app import runs
-from app.accounting import credit_contributions
 from app.config import Settings
 from app.snapshots import record_snapshot
 from app.web.main import create_app
-from tests.test_database import contribution, signed
+from tests.test_database import contribution, seed_credit
 
 
 @pytest.fixture
 def client(database_url, sessions, tmp_path):
     with sessions() as session:
         run = runs.create_run(session, slug="demo", title="Demo run", target_batch_size=4096)
-        credit_contributions(session, run, [signed("k1", "alice", contribution(0, 300), contribution(1, 200)),
-                                            signed("k2", "bob", contribution(1, 700))])
+        seed_credit(session, run, "k1", "alice", contribution(0, 300), contribution(1, 200))
+        seed_credit(session, run, "k2", "bob", contribution(1, 700))
         start = datetime.now(timezone.utc) - timedelta(minutes=5)
         for i in range(3):
             record_snapshot(session, run, taken_at=start + timedelta(seconds=10 * i), peers_online=2,

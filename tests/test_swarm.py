@@ -17,6 +17,28 @@ def reported_samples(deployment, username: str) -> int:
     return sum(c["samples"] for c in deployment.report(username)["contributions"])
 
 
+def confirmed_truth(deployment, usernames: list[str]) -> dict[str, tuple[int, int]]:
+    """From the workers' own reports: per user, (samples another worker saw it send, samples nobody confirmed).
+
+    Worker A's claim is confirmed when another worker's report says it aggregated A's part in the same
+    all-reduce round with the weight A claims: exactly what the coordinator must credit, computed without it.
+    """
+    reports = {name: deployment.report(name) for name in usernames}
+    truth = {}
+    for name, report in reports.items():
+        credited = held = 0
+        for claim in report["contributions"]:
+            seen = [c["aggregated"].get(claim["group"], {}).get(report["peer_id"]) for other, r in reports.items()
+                    if other != name for c in r["contributions"]] if claim["group"] else []
+            weights = [w for w in seen if w is not None]
+            if weights and int(min(weights)) >= claim["samples"]:
+                credited += claim["samples"]
+            else:
+                held += claim["samples"]
+        truth[name] = (credited, held)
+    return truth
+
+
 def epoch_losses(deployment, username: str) -> list[float]:
     return [c["loss_sum"] / c["mini_steps"] for c in deployment.report(username)["contributions"] if c["mini_steps"]]
 
@@ -39,14 +61,17 @@ def test_two_workers_train_one_model_and_every_sample_is_credited(deployment):
     # Exact: the worker's report and the DHT record carry the same number, the weight hivemind averaged with.
     expected = {name: reported_samples(deployment, name) for name in ("alice", "bob")}
     assert all(expected.values())
-    wait_for(lambda: deployment.credited_by_user() == expected, 30, f"credit to reach {expected}")
+    wait_for(lambda: deployment.credited_by_user() == expected, 30, f"claims to reach {expected}")
+    truth = confirmed_truth(deployment, ["alice", "bob"])
+    assert sum(credited for credited, _ in truth.values()) > 0
+    wait_for(lambda: deployment.credit_by_user() == truth, 30, f"credit to match the workers' receipts {truth}")
 
     swarm = deployment.swarm()
-    assert swarm["samples_total"] == sum(expected.values())
+    assert swarm["samples_total"] == sum(credited for credited, _ in truth.values())
     assert swarm["epoch"] >= 5 and swarm["target_batch_size"] == 3072
     board = deployment.get(f"/api/v1/runs/{deployment.slug}/leaderboard")
-    assert {row["username"]: row["samples"] for row in board} == expected
-    assert [row["samples"] for row in board] == sorted(expected.values(), reverse=True)
+    assert {row["username"]: row["samples"] for row in board} == {name: c for name, (c, _) in truth.items()}
+    assert [row["samples"] for row in board] == sorted((c for c, _ in truth.values()), reverse=True)
     assert all(row["runtime_seconds"] > 0 for row in board)
 
 
@@ -70,18 +95,25 @@ def test_a_killed_worker_leaves_and_the_other_carries_on(deployment):
     assert deployment.processes["alice"].poll() is None
 
 
-def test_a_coordinator_crash_neither_loses_nor_doubles_credit(deployment):
-    deployment.start_swarm(["alice", "bob"], "--max-epochs", "6")
+def test_a_coordinator_down_30_s_then_two_on_one_database_neither_lose_nor_double_credit(deployment):
+    deployment.env["DEDLOC_SECRET_KEY"] = "a-secret-shared-by-every-process-of-this-deployment"
+    deployment.start_swarm(["alice", "bob"], "--max-epochs", "12")
     wait_for(lambda: deployment.swarm()["peers_online"] == 2, 60, "both workers online")
     wait_for(lambda: deployment.credited_by_user(), 60, "the first credited epoch")
 
-    deployment.kill("coordinator")
+    deployment.kill("coordinator")  # a crash: no goodbye, children reaped as its supervisor would
     deployment.reap("coordinator")
-    time.sleep(4)  # the swarm trains on without its coordinator for at least one epoch
+    time.sleep(30)  # the swarm trains on without any coordinator
     deployment.start_coordinator("coordinator-restarted")
+    # ... and a second coordinator, elsewhere, on the same database
+    second = deployment.workdir / "second"
+    deployment.start("coordinator-second", "-m", "app.cli", "coordinator", "--run", deployment.slug,
+                     env={"DEDLOC_DATA_DIR": str(second), "DATABASE_URL": deployment.database_url})
 
     for name in ("alice", "bob"):
-        assert deployment.wait_exit(name, timeout=180) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]
+        assert deployment.wait_exit(name, timeout=240) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]
     expected = {name: reported_samples(deployment, name) for name in ("alice", "bob")}
-    wait_for(lambda: deployment.credited_by_user() == expected, 45, f"credit to reach {expected}")
+    wait_for(lambda: deployment.credited_by_user() == expected, 45, f"claims to reach {expected}")
+    truth = confirmed_truth(deployment, ["alice", "bob"])
+    wait_for(lambda: deployment.credit_by_user() == truth, 30, f"credit to match the workers' receipts {truth}")
     assert all(count == 1 for _, _, count in deployment.rows_per_epoch())

@@ -17,10 +17,13 @@ from dedloc_worker.records import add_record_validators, publish_denylist, read_
 from sqlalchemy.exc import SQLAlchemyError
 
 from .. import runs, tokens
-from ..accounting import SignedMetrics, credit_contributions, samples_total
+from ..accounting import SignedMetrics, samples_total
+from ..crediting import credit_epochs
 from ..config import Settings
 from ..db import make_engine, make_sessionmaker, migrate
+from ..models import utcnow
 from ..snapshots import record_snapshot
+from ..stats_export import export_if_due
 from .summary import PeerSeen, summarize
 
 logger = logging.getLogger("dedloc.coordinator")
@@ -123,10 +126,11 @@ class CoordinatorNode:
         try:
             with self.sessions() as session:
                 denylist = tokens.signed_denylist(session, self.settings, runs.get_run(session, self.run.slug))
-                credit_contributions(session, self.run, metrics)
+                credit_epochs(session, self.run, metrics)
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
                 record_snapshot(session, self.run, **fields)
                 runs.heartbeat(session, self.coordinator_id, known_peers=known_peers)
+            export_if_due(self.sessions, self.settings.data_dir, utcnow())  # the public daily stats dumps
         except SQLAlchemyError as e:
             # The records stay in the DHT for minutes: the next poll catches up.
             logger.warning("database unavailable, will retry at the next poll: %s", e)

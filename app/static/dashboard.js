@@ -53,12 +53,15 @@
       const body = leaders.querySelector("tbody") || leaders;
       body.replaceChildren(...rows.map((row, i) => {
         const tr = document.createElement("tr");
-        const cells = [i + 1, row.username, row.samples.toLocaleString("en-US"),
-                       `${row.runtime_seconds.toFixed(0)} s`, row.peers];
+        // The columns of templates/_leaders.html.
+        const seen = row.last_seen ? row.last_seen.slice(0, 16).replace("T", " ") + " UTC" : "";
+        const cells = [i + 1, row.username, row.team || "", row.samples.toLocaleString("en-US"),
+                       row.held_samples ? row.held_samples.toLocaleString("en-US") : "",
+                       `${row.runtime_seconds.toFixed(0)} s`, row.peers, seen];
         cells.forEach((value, column) => {
           const td = document.createElement("td");
           td.textContent = value;
-          if (column > 1) td.className = "num";
+          if (column > 2 && column < 7) td.className = "num";
           tr.appendChild(td);
         });
         return tr;

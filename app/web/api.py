@@ -6,12 +6,12 @@ from datetime import datetime
 from typing import Annotated, Optional
 
 from dedloc_worker.contract import API_PREFIX, JoinInfo
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Path, Query
 
-from .. import accounting, runs, snapshots
+from .. import accounting, runs, snapshots, standings
 from .deps import RunDep, SessionDep, SettingsDep
-from .schemas import LeaderboardEntry, RunOut, SwarmOut
-from .views import current_swarm, run_out, swarm_out
+from .schemas import LeaderboardEntry, RunOut, SwarmOut, TeamEntry, UserOut
+from .views import current_swarm, leaderboard_entry, run_out, swarm_out, team_entry, user_out
 
 router = APIRouter(prefix=API_PREFIX, tags=["api"])
 
@@ -47,8 +47,34 @@ def history(
     return [swarm_out(run, snapshot) for snapshot in snapshots.history(session, run, limit, since)]
 
 
+Limit = Annotated[int, Query(ge=1, le=1000, description="at most this many rows, from the top")]
+
+
 @router.get("/runs/{slug}/leaderboard", response_model=list[LeaderboardEntry])
-def leaderboard(
-    run: RunDep, session: SessionDep, limit: Annotated[int, Query(ge=1, le=1000)] = 100
-):
-    return [LeaderboardEntry(**row.__dict__) for row in accounting.leaderboard(session, run, limit)]
+def leaderboard(run: RunDep, session: SessionDep, limit: Limit = 100):
+    """Users by credited samples in this run, most first; users hidden from public boards are left out."""
+    return [leaderboard_entry(row) for row in accounting.leaderboard(session, run, limit)]
+
+
+@router.get("/runs/{slug}/teams", response_model=list[TeamEntry])
+def run_teams(run: RunDep, session: SessionDep, limit: Limit = 100):
+    """Teams by their public members' credited samples in this run, most first."""
+    return [team_entry(row) for row in standings.team_leaderboard(session, run, limit)]
+
+
+@router.get("/leaderboard", response_model=list[LeaderboardEntry])
+def overall_leaderboard(session: SessionDep, limit: Limit = 100):
+    """Users by credited samples across all runs, most first."""
+    return [leaderboard_entry(row) for row in accounting.leaderboard(session, None, limit)]
+
+
+@router.get("/teams", response_model=list[TeamEntry])
+def teams(session: SessionDep, limit: Limit = 100):
+    """Teams by their public members' credited samples across all runs, most first."""
+    return [team_entry(row) for row in standings.team_leaderboard(session, None, limit)]
+
+
+@router.get("/users/{username}", response_model=UserOut, responses={404: {"description": "unknown or hidden"}})
+def user(session: SessionDep, username: Annotated[str, Path(max_length=100)]):
+    """A user's public totals across runs and per run; 404 alike for unknown users and hidden ones."""
+    return user_out(standings.user_totals(session, username))

@@ -6,7 +6,7 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from .. import runs
+from .. import accounting, runs
 from .views import current_swarm
 
 router = APIRouter()
@@ -27,14 +27,21 @@ class SwarmCollector:
 
     def collect(self):
         families = {name: GaugeMetricFamily(f"dedloc_{name}", doc, labels=["run"]) for name, doc in GAUGES.items()}
+        credited = GaugeMetricFamily("dedloc_samples_credited", "samples credited to contributors", labels=["run"])
+        held = GaugeMetricFamily("dedloc_samples_held", "samples claimed but held back for review", labels=["run"])
         with self.sessions() as session:
+            credit = accounting.credit_by_run(session)
             for run in runs.list_runs(session):
                 swarm = current_swarm(session, run)
                 for name, family in families.items():
                     value = getattr(swarm, name)
                     if value is not None:
                         family.add_metric([run.slug], float(value))
+                credited_samples, held_samples = credit.get(run.id, (0, 0))
+                credited.add_metric([run.slug], float(credited_samples))
+                held.add_metric([run.slug], float(held_samples))
         yield from families.values()
+        yield from (credited, held)
 
 
 def make_registry(sessions) -> CollectorRegistry:

@@ -1,13 +1,13 @@
-"""The organizers' page of a run: admission policy, allowlist, bans, and who holds tokens."""
+"""The organizers' page of a run: admission policy, allowlist, bans, who holds tokens, and held credit."""
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Optional
 
 from fastapi import APIRouter, Depends, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from .. import tokens
+from .. import credit_review, tokens
 from ..auth.deps import CsrfChecked, CurrentUser, is_organizer
 from ..auth.models import User
 from ..errors import Forbidden
@@ -36,6 +36,7 @@ def organize_page(request: Request, run: RunDep, user: Organizer, session: Sessi
     return request.app.state.templates.TemplateResponse(request, "organize.html", {
         "run": run, "policies": tokens.ADMISSION_POLICIES, "allowlist": tokens.allowlist(session, run),
         "bans": tokens.bans(session, run), "holders": tokens.token_holders(session, run),
+        "held": credit_review.held_credit(session, run),
     })
 
 
@@ -68,4 +69,11 @@ def ban(run: RunDep, user: Organizer, session: SessionDep, username: Username,
 @router.post("/runs/{slug}/organize/unban", dependencies=[CsrfChecked])
 def unban(run: RunDep, user: Organizer, session: SessionDep, username: Username):
     tokens.unban_user(session, run, username)
+    return back(run)
+
+
+@router.post("/runs/{slug}/organize/release", dependencies=[CsrfChecked])
+def release(run: RunDep, user: Organizer, session: SessionDep, username: Username,
+            epoch: Annotated[Optional[int], Form(ge=0, description="one epoch; empty: every held epoch")] = None):
+    credit_review.release_held(session, run=run, username=username, released_by=user.username, epoch=epoch)
     return back(run)

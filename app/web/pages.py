@@ -1,11 +1,11 @@
-"""HTML pages: the runs, a run's live dashboard, its leaderboard."""
+"""HTML pages: the runs, a run's live dashboard, its leaderboard, and the leaderboard across runs."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from .. import accounting, runs
+from .. import accounting, runs, standings
 from .deps import RunDep, SessionDep
 from .views import current_swarm
 
@@ -30,4 +30,11 @@ def dashboard(request: Request, run: RunDep, session: SessionDep):
 
 @router.get("/runs/{slug}/leaderboard")
 def leaderboard(request: Request, run: RunDep, session: SessionDep):
-    return render(request, "leaderboard.html", run=run, leaders=accounting.leaderboard(session, run, 1000))
+    return render(request, "leaderboard.html", run=run, leaders=accounting.leaderboard(session, run, 1000),
+                  teams=standings.team_leaderboard(session, run, 1000))
+
+
+@router.get("/leaderboard")
+def overall_leaderboard(request: Request, session: SessionDep):
+    return render(request, "leaderboard.html", run=None, leaders=accounting.leaderboard(session, None, 1000),
+                  teams=standings.team_leaderboard(session, None, 1000))

@@ -35,21 +35,25 @@ def upgrade() -> None:
     sa.Column('id', sa.Integer(), nullable=False),
     sa.Column('run_id', sa.Integer(), nullable=False),
     sa.Column('aggregator_key', sa.String(length=64), nullable=False),
+    sa.Column('group_id', sa.String(length=64), nullable=False),
     sa.Column('epoch', sa.Integer(), nullable=False),
     sa.Column('sender_peer_id', sa.String(length=100), nullable=False),
     sa.Column('weight', sa.Float(), nullable=False),
     sa.ForeignKeyConstraint(['run_id'], ['runs.id'], name=op.f('fk_receipts_run_id_runs'), ondelete='CASCADE'),
     sa.PrimaryKeyConstraint('id', name=op.f('pk_receipts')),
-    sa.UniqueConstraint('run_id', 'aggregator_key', 'epoch', 'sender_peer_id', name=op.f('uq_receipts_run_id_aggregator_key_epoch_sender_peer_id'))
+    sa.UniqueConstraint('run_id', 'aggregator_key', 'group_id', 'sender_peer_id', name=op.f('uq_receipts_run_id_aggregator_key_group_id_sender_peer_id'))
     )
     with op.batch_alter_table('receipts', schema=None) as batch_op:
         batch_op.create_index(batch_op.f('ix_receipts_run_id'), ['run_id'], unique=False)
+        batch_op.create_index(batch_op.f('ix_receipts_group_id'), ['group_id'], unique=False)
 
     with op.batch_alter_table('contributions', schema=None) as batch_op:
         batch_op.add_column(sa.Column('credited', sa.BigInteger(), nullable=False, server_default='0'))
         batch_op.add_column(sa.Column('held', sa.BigInteger(), nullable=False, server_default='0'))
         batch_op.add_column(sa.Column('reason', sa.String(length=300), nullable=True))
         batch_op.add_column(sa.Column('released_by', sa.String(length=100), nullable=True))
+        batch_op.add_column(sa.Column('group_id', sa.String(length=64), nullable=False, server_default=''))
+        batch_op.create_index(batch_op.f('ix_contributions_group_id'), ['group_id'], unique=False)
     # Rows written before receipts existed were credited in full.
     op.execute("UPDATE contributions SET credited = samples")
 
@@ -73,6 +77,8 @@ def downgrade() -> None:
         batch_op.drop_column('record_key')
     with op.batch_alter_table('contributions', schema=None) as batch_op:
         batch_op.drop_column('released_by')
+        batch_op.drop_index(batch_op.f('ix_contributions_group_id'))
+        batch_op.drop_column('group_id')
     with op.batch_alter_table('users', schema=None) as batch_op:
         batch_op.drop_column('organizations')
         batch_op.drop_column('team')
@@ -87,6 +93,7 @@ def downgrade() -> None:
         batch_op.drop_column('credited')
 
     with op.batch_alter_table('receipts', schema=None) as batch_op:
+        batch_op.drop_index(batch_op.f('ix_receipts_group_id'))
         batch_op.drop_index(batch_op.f('ix_receipts_run_id'))
 
     op.drop_table('receipts')

@@ -140,16 +140,19 @@ async def wait_admitted(state: AdmissionState, peer_id: str, grace: float = NEWC
     return True
 
 
-def guard_handlers(state: AdmissionState) -> None:
+def guard_handlers(state: AdmissionState, receipts=None) -> None:
     """Make every non-DHT handler registered from now on (in this process and its forks) refuse callers whose
-    PeerID holds no valid token. Call before creating the DHT or any averager."""
+    PeerID holds no valid token. Call before creating the DHT or any averager.
+
+    :param receipts: a ``receipts.ReceiptLog``: gradient parts that pass are logged there with their weight
+    """
     original = getattr(P2P.add_protobuf_handler, "__wrapped__", P2P.add_protobuf_handler)
 
     @wraps(original)
     async def add_protobuf_handler(self, name, handler, input_protobuf_type, *, stream_input=False,
                                    stream_output=False, balanced=False):
         if not name.split("::")[-1].startswith(DHT_HANDLERS):
-            handler = _guarded(handler, name, state, streaming=stream_input or stream_output)
+            handler = _guarded(handler, name, state, streaming=stream_input or stream_output, receipts=receipts)
         return await original(self, name, handler, input_protobuf_type, stream_input=stream_input,
                               stream_output=stream_output, balanced=balanced)
 
@@ -160,7 +163,11 @@ class Refused(PermissionError):
     pass
 
 
-def _guarded(handler: Callable, name: str, state: AdmissionState, streaming: bool) -> Callable:
+def _guarded(handler: Callable, name: str, state: AdmissionState, streaming: bool, receipts=None) -> Callable:
+    from .receipts import GRADIENT_PARTS
+
+    noting = receipts is not None and name.endswith(GRADIENT_PARTS)
+
     async def refuse_unless_admitted(context) -> None:
         if not await wait_admitted(state, str(context.remote_id)):
             raise Refused(f"{context.remote_id} holds no valid token of this run; {name} refused")
@@ -168,6 +175,8 @@ def _guarded(handler: Callable, name: str, state: AdmissionState, streaming: boo
     if streaming:
         async def guarded_stream(request, context):
             await refuse_unless_admitted(context)
+            if noting:
+                request = _noting_weight(request, str(context.remote_id), receipts)
             output = handler(request, context)
             if hasattr(output, "__aiter__"):
                 async for item in output:
@@ -182,6 +191,16 @@ def _guarded(handler: Callable, name: str, state: AdmissionState, streaming: boo
         return await handler(request, context)
 
     return guarded_unary
+
+
+async def _noting_weight(parts, sender: str, receipts):
+    """Pass a sender's gradient parts through, logging the weight its first part carries."""
+    first = True
+    async for part in parts:
+        if first:
+            receipts.note_part(part.group_id, sender, part.weight)
+            first = False
+        yield part
 
 
 class AdmissionKeeper(threading.Thread):

@@ -86,6 +86,7 @@ def write_outputs(args, result) -> None:
     if args.report:
         report = {
             "username": result.username,
+            "peer_id": result.peer_id,
             "final_epoch": result.final_epoch,
             "contributions": [c.dict() for c in result.contributions],
         }

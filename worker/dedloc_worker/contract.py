@@ -79,6 +79,10 @@ class EpochContribution(pydantic_v1.BaseModel):
     loss_sum: pydantic_v1.StrictFloat
     mini_steps: pydantic_v1.conint(ge=0, strict=True)
     seconds: pydantic_v1.confloat(ge=0.0, strict=True)
+    # The all-reduce round (hivemind group id, hex) this peer's samples went into; "" when unknown.
+    group: pydantic_v1.StrictStr = ""
+    # Receipts: group -> PeerID -> weight of every sender whose gradient part this peer aggregated.
+    aggregated: Dict[pydantic_v1.StrictStr, Dict[pydantic_v1.StrictStr, float]] = {}
 
 
 class MetricsRecord(pydantic_v1.BaseModel):
@@ -92,6 +96,8 @@ class MetricsRecord(pydantic_v1.BaseModel):
     # Where this peer accepts connections (empty for client-mode peers): a restarted coordinator bootstraps
     # from these. Never shown on public pages.
     addrs: List[pydantic_v1.StrictStr] = []
+    # What the peer trains on, in words ("cuda: NVIDIA A100", "cpu: 8 threads"): shown to its owner only.
+    hardware: pydantic_v1.StrictStr = ""
 
 
 def mean_loss(contributions: List[EpochContribution]) -> Optional[float]:

@@ -49,6 +49,7 @@ def _join(args, stop, folder: Path, load_task_class):
     from .identity import PeerIdentity
     from .portal import fetch_join_info, request_peer_token, wait_for_peers
     from .progress import ProgressDisplay
+    from .receipts import ReceiptLog, note_own_rounds
     from .records import add_record_validators
     from .trainer import train
 
@@ -66,7 +67,9 @@ def _join(args, stop, folder: Path, load_task_class):
 
     state, check = AdmissionState(folder), TokenCheck(grant.authority_public_key)
     state.write_token(to_access_token(grant.token))
-    guard_handlers(state)  # before any hivemind process forks
+    receipts = ReceiptLog(folder)
+    guard_handlers(state, receipts)  # before any hivemind process forks
+    note_own_rounds(receipts)
     authorizer = RunAuthorizer(check, state, identity.private_key)
     dht = join_swarm(args, info, deadline, identity.identity_path, authorizer)
     keeper = None
@@ -76,10 +79,10 @@ def _join(args, stop, folder: Path, load_task_class):
         keeper.start()
         with ProgressDisplay() as display:
             result = train(dht, config, task, username, stop, signature, args.max_epochs, args.client,
-                           display.update)
+                           display.update, receipts)
         if keeper.failure:
             raise AdmissionError(keeper.failure)
-        result.username = username
+        result.username, result.peer_id = username, identity.peer_id
         return result
     finally:
         if keeper is not None:

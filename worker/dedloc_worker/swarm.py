@@ -57,9 +57,11 @@ class AccountedOptimizer(hivemind.Optimizer):
         self.finished_epochs: List[FinishedEpoch] = []
 
     def _update_global_epoch(self, grad_scaler) -> None:
-        epoch, samples = self.local_epoch, self.grad_averager.local_samples_accumulated
+        samples = self.grad_averager.local_samples_accumulated
         super()._update_global_epoch(grad_scaler)
-        self.finished_epochs.append(FinishedEpoch(epoch, samples))
+        # The step leads to the collaboration's next epoch; a peer that lagged one behind jumps two, so the
+        # step is named by where it leads (minus one), the same number on every peer that took part.
+        self.finished_epochs.append(FinishedEpoch(self.local_epoch - 1, samples))
 
 
 def create_optimizer(dht, config: RunConfig, params, client_mode: bool, verbose: bool = False):

@@ -17,6 +17,9 @@ from .records import publish_metrics
 from .swarm import create_optimizer
 
 
+LEAVE_GRACE = 2.0  # seconds a leaving peer keeps serving the round it just finished
+
+
 @dataclass
 class EpochTally:
     """Loss and time of the mini-steps taken while the local epoch was ``epoch``."""
@@ -33,6 +36,7 @@ class TrainingResult:
     final_epoch: int
     state: dict
     username: str = ""
+    peer_id: str = ""
 
 
 @dataclass
@@ -68,13 +72,16 @@ def train(
     max_epochs: Optional[int] = None,
     client_mode: bool = False,
     on_status: Callable[[Status], None] = lambda status: None,
+    receipts=None,
 ) -> TrainingResult:
     """Train until ``stop`` is set or the collaboration reaches ``max_epochs``; always leaves the swarm.
 
     :param signature: the ``RSASignatureValidator`` this peer's records are signed with
+    :param receipts: a ``receipts.ReceiptLog`` of the gradient parts this peer aggregated
     :returns: this peer's contributions (samples per epoch it took part in) and its final parameters
     """
     addrs = [] if client_mode else [str(addr) for addr in dht.get_visible_maddrs()]
+    hardware = describe_hardware()
     opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode)
     contributions: deque = deque(maxlen=RECENT_EPOCHS_KEPT)
     every_contribution: List[EpochContribution] = []
@@ -94,21 +101,28 @@ def train(
             opt.zero_grad()
             while opt.finished_epochs:
                 finished = opt.finished_epochs.pop(0)
-                contribution = close_epoch(tally, finished)
+                contribution = close_epoch(tally, finished, *(receipts.drain() if receipts else (None, {})))
                 contributions.append(contribution)
                 every_contribution.append(contribution)
-                publish_metrics(dht, config.run_id, signature, metrics_record(username, opt, contributions, addrs))
+                record = metrics_record(username, opt, contributions, addrs, hardware)
+                publish_metrics(dht, config.run_id, signature, record)
             if tally.epoch != opt.local_epoch:
                 tally = EpochTally(opt.local_epoch)  # a new epoch, or state reloaded: earlier samples were dropped
             on_status(status_of(opt, contributions[-1] if contributions else None))
         check_finite(task.model)
-        return TrainingResult(every_contribution, opt.local_epoch, {k: v.clone() for k, v in task.model.state_dict().items()})
+        state = {k: v.clone() for k, v in task.model.state_dict().items()}
+        # This peer's averager still holds parts of the last round that partners are receiving: leaving at once
+        # would fail their round and split the model. A short grace lets it deliver them.
+        time.sleep(LEAVE_GRACE)
+        return TrainingResult(every_contribution, opt.local_epoch, state)
     finally:
         opt.shutdown()
 
 
-def close_epoch(tally: EpochTally, finished) -> EpochContribution:
+def close_epoch(tally: EpochTally, finished, group: Optional[str], aggregated: dict) -> EpochContribution:
     return EpochContribution(
+        group=group or "",
+        aggregated=aggregated,
         epoch=finished.epoch,
         samples=finished.samples,
         loss_sum=float(tally.loss_sum),
@@ -117,7 +131,13 @@ def close_epoch(tally: EpochTally, finished) -> EpochContribution:
     )
 
 
-def metrics_record(username: str, opt, contributions, addrs: List[str]) -> MetricsRecord:
+def describe_hardware() -> str:
+    if torch.cuda.is_available():
+        return f"cuda: {torch.cuda.get_device_name(0)}"
+    return f"cpu: {torch.get_num_threads()} threads"
+
+
+def metrics_record(username: str, opt, contributions, addrs: List[str], hardware: str = "") -> MetricsRecord:
     from hivemind.utils import get_dht_time
 
     return MetricsRecord(
@@ -127,6 +147,7 @@ def metrics_record(username: str, opt, contributions, addrs: List[str]) -> Metri
         time=get_dht_time(),
         recent=list(contributions),
         addrs=addrs,
+        hardware=hardware,
     )
 
 

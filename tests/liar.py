@@ -1,0 +1,35 @@
+"""A worker patched to lie about its contribution, as a cheater would patch dedloc-worker.
+
+    python tests/liar.py metrics|both <dedloc-worker arguments>
+
+metrics: claims 10x its samples in its signed metrics record only.
+both:    also averages with 10x its weight, so aggregators see (and confirm) the inflated number.
+"""
+
+import sys
+
+from dedloc_worker import cli, trainer
+
+INFLATION = 10
+mode = sys.argv.pop(1)
+honest_close_epoch = trainer.close_epoch
+
+
+def inflated_close_epoch(*args):
+    contribution = honest_close_epoch(*args)
+    return contribution.copy(update={"samples": contribution.samples * INFLATION})
+
+
+trainer.close_epoch = inflated_close_epoch
+
+if mode == "both":
+    from hivemind.optim.grad_averager import GradientAverager
+
+    honest_step = GradientAverager.step
+
+    def inflated_step(self, weight=None, **kwargs):
+        return honest_step(self, weight=self.local_samples_accumulated * INFLATION, **kwargs)
+
+    GradientAverager.step = inflated_step
+
+cli.main(sys.argv[1:])

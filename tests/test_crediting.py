@@ -1,0 +1,136 @@
+"""Crediting rules on a real database (SQLite and PostgreSQL): claims, receipts, ceilings, idempotency."""
+
+from __future__ import annotations
+
+import pytest
+from dedloc_worker.contract import EpochContribution, MetricsRecord, record_key_of
+from hivemind.utils.crypto import RSAPrivateKey
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app import runs
+from app.accounting import SignedMetrics, samples_total
+from app.config import Settings
+from app.crediting import ALONE, NO_TOKEN, Decision, credit_epochs, decide
+from app.db import make_engine, make_sessionmaker, migrate
+from app.models import Contribution
+from app.tokens import issue_peer_token
+
+
+def test_decide_credits_what_others_confirmed_up_to_the_ceiling():
+    assert decide(100, 1.0, [100.0, 100.0], ceiling=1000) == Decision(100, 0, None)
+    assert decide(100, 1.0, [], ceiling=1000) == Decision(0, 100, ALONE)
+    lied = decide(1000, 1.0, [100.0], ceiling=5000)
+    assert (lied.credited, lied.held) == (100, 900) and "saw 100" in lied.reason
+    fast = decide(40_000, 1.0, [40_000.0], ceiling=5000)
+    assert (fast.credited, fast.held) == (5000, 35_000) and "claimed 40,000 samples/s, ceiling is 5,000" in fast.reason
+    # Two aggregators disagree: the smaller word counts.
+    assert decide(100, 1.0, [100.0, 60.0], ceiling=1000).credited == 60
+
+
+class Peer:
+    """A worker's key with a token issued to ``username``."""
+
+    def __init__(self, session, run, username: str, tmp_path):
+        key = RSAPrivateKey().get_public_key().to_bytes()
+        self.key, self.username = record_key_of(key), username
+        grant = issue_peer_token(session, Settings(data_dir=tmp_path), run, username, key.decode())
+        from dedloc_worker.signing import peer_id_of
+
+        self.peer_id = peer_id_of(grant.token.public_key)
+
+    def record(self, *claims: EpochContribution) -> SignedMetrics:
+        return SignedMetrics(self.key, MetricsRecord(username=self.username, epoch=9, samples_per_second=1.0,
+                                                     time=0.0, recent=list(claims)))
+
+
+def claim(epoch: int, samples: int, group: str = "g", aggregated: dict | None = None) -> EpochContribution:
+    return EpochContribution(epoch=epoch, samples=samples, loss_sum=1.0, mini_steps=1, seconds=1.0, group=group,
+                             aggregated=aggregated or {})
+
+
+def totals(session) -> dict[str, tuple[int, int]]:
+    rows = session.query(Contribution.username, Contribution.credited, Contribution.held).all()
+    found: dict[str, tuple[int, int]] = {}
+    for username, credited, held in rows:
+        c, h = found.get(username, (0, 0))
+        found[username] = (c + credited, h + held)
+    return found
+
+
+def test_claims_are_credited_once_confirmed_by_another_member_of_the_round(sessions, tmp_path):
+    with sessions() as session:
+        run = runs.create_run(session, slug="credit", title="Credit")
+        alice, bob = Peer(session, run, "alice", tmp_path), Peer(session, run, "bob", tmp_path)
+        # alice's record arrives first: nobody has confirmed her 300 samples yet.
+        assert credit_epochs(session, run, [alice.record(claim(1, 300, aggregated={"g": {bob.peer_id: 200.0}}))]) == 1
+        assert totals(session)["alice"] == (0, 300)
+        bob_record = bob.record(claim(1, 200, aggregated={"g": {alice.peer_id: 300.0}}))
+        assert credit_epochs(session, run, [bob_record]) == 1
+        assert totals(session) == {"alice": (300, 0), "bob": (200, 0)}
+        assert credit_epochs(session, run, [bob_record]) == 0  # polled again: nothing new, nothing doubled
+        assert samples_total(session, run) == 500
+
+
+def test_a_worker_restarted_with_a_new_key_is_credited_under_both_keys(sessions, tmp_path):
+    with sessions() as session:
+        run = runs.create_run(session, slug="rekey", title="Rekey")
+        old, new, bob = (Peer(session, run, name, tmp_path) for name in ("carol", "carol", "bob"))
+        credit_epochs(session, run, [old.record(claim(3, 10, "a", {"a": {bob.peer_id: 5.0}})),
+                                     bob.record(claim(3, 5, "a", {"a": {old.peer_id: 10.0}}))])
+        credit_epochs(session, run, [new.record(claim(4, 20, "b", {"b": {bob.peer_id: 5.0}})),
+                                     bob.record(claim(4, 5, "b", {"b": {new.peer_id: 20.0}}))])
+        assert totals(session) == {"carol": (30, 0), "bob": (10, 0)}
+
+
+def test_a_key_without_a_token_is_never_credited(sessions, tmp_path):
+    with sessions() as session:
+        run = runs.create_run(session, slug="untokened", title="No token")
+        alice = Peer(session, run, "alice", tmp_path)
+        stranger = SignedMetrics("f" * 64, MetricsRecord(username="alice", epoch=2, samples_per_second=1.0, time=0.0,
+                                                         recent=[claim(1, 50, aggregated={"g": {alice.peer_id: 1.0}})]))
+        credit_epochs(session, run, [stranger, alice.record(claim(1, 1))])
+        row = session.query(Contribution).filter_by(peer_key="f" * 64).one()
+        assert (row.credited, row.held, row.reason) == (0, 50, NO_TOKEN)
+
+
+rounds = st.lists(st.tuples(st.integers(0, 3), st.integers(1, 400), st.integers(1, 400)), min_size=1, max_size=8)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(rounds=rounds, order=st.randoms(use_true_random=False))
+def test_any_order_and_repetition_of_records_gives_the_same_totals(tmp_path_factory, rounds, order):
+    """Property: credit depends on the set of claims and receipts, not on how often or in what order they come."""
+    folder = tmp_path_factory.mktemp("prop")
+    url = f"sqlite:///{folder / 'db.sqlite3'}"
+    migrate(url)
+    engine = make_engine(url)
+    with make_sessionmaker(engine)() as session:
+        run = runs.create_run(session, slug="prop", title="Prop")
+        alice, bob = Peer(session, run, "alice", folder), Peer(session, run, "bob", folder)
+        records, truth = [], {}
+        for epoch, a, b in rounds:
+            group = f"round{epoch}"
+            truth.setdefault(epoch, (a, b))
+            a, b = truth[epoch]  # one round, one content
+            records.append(alice.record(claim(epoch, a, group, {group: {bob.peer_id: float(b)}})))
+            records.append(bob.record(claim(epoch, b, group, {group: {alice.peer_id: float(a)}})))
+        replayed = records + order.sample(records, len(records))
+        order.shuffle(replayed)
+        for item in replayed:
+            credit_epochs(session, run, [item])
+        expected = {"alice": (sum(a for a, _ in truth.values()), 0), "bob": (sum(b for _, b in truth.values()), 0)}
+        assert totals(session) == expected
+    engine.dispose()
+
+
+@pytest.mark.parametrize("peers", [1000])
+def test_a_thousand_peers_in_one_epoch_are_settled(sessions, tmp_path, peers):
+    """Scale smoke test (the timing lives in bench/crediting.py): groups of 16, everyone confirmed."""
+    with sessions() as session:
+        run = runs.create_run(session, slug="scale", title="Scale")
+        from bench.crediting import SAMPLES, simulated_epoch
+
+        records = simulated_epoch(session, run, peers)
+        credit_epochs(session, run, records)
+        assert samples_total(session, run) == SAMPLES * peers

@@ -1,0 +1,73 @@
+"""Receipts: which senders' gradient parts this peer aggregated, in which all-reduce group, with what weight.
+
+hivemind weights each sender's part by the samples it accumulated, and the aggregating peer sees that weight
+and the round's group id. The aggregators run in a child process (the gradient averager); it appends one line
+per part received, and one per round this peer itself joins, to a file in the worker's private folder. The main
+process collects the lines when an epoch closes and publishes them, signed, with its metrics record. The
+coordinator credits a claim only when another member of the same group confirms its weight (app/crediting.py).
+Groups, not epoch numbers, tie claims to receipts: peers one epoch apart can share a round.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Dict, Optional, Tuple
+
+GRADIENT_PARTS = "GradientAverager.rpc_aggregate_part"  # hivemind's handler name for gradient all-reduce parts
+GRADIENT_AVERAGER = "GradientAverager"
+
+
+class ReceiptLog:
+    def __init__(self, folder: Path):
+        self.path = folder / "receipts.jsonl"
+        self._offset = 0
+
+    def note_part(self, group: bytes, sender_peer_id: str, weight: float) -> None:
+        """A part received from ``sender_peer_id`` in round ``group`` (called in the averager's process)."""
+        self._append({"group": group.hex(), "sender": sender_peer_id, "weight": float(weight)})
+
+    def note_round(self, group: bytes) -> None:
+        """This peer joined round ``group`` with its own gradients (called in the averager's process)."""
+        self._append({"group": group.hex(), "own": True})
+
+    def _append(self, entry: dict) -> None:
+        descriptor = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            os.write(descriptor, (json.dumps(entry) + "\n").encode())  # O_APPEND keeps lines whole
+        finally:
+            os.close(descriptor)
+
+    def drain(self) -> Tuple[Optional[str], Dict[str, Dict[str, float]]]:
+        """(the last round this peer joined, {group: {sender: weight}}) logged since the last drain."""
+        if not self.path.exists():
+            return None, {}
+        with open(self.path, "rb") as file:
+            file.seek(self._offset)
+            data = file.read()
+        complete = data[: data.rfind(b"\n") + 1]
+        self._offset += len(complete)
+        own, aggregated = None, {}
+        for line in complete.splitlines():
+            entry = json.loads(line)
+            if entry.get("own"):
+                own = entry["group"]
+            else:
+                aggregated.setdefault(entry["group"], {})[entry["sender"]] = entry["weight"]
+        return own, aggregated
+
+
+def note_own_rounds(receipts: ReceiptLog) -> None:
+    """Log every gradient all-reduce round this process (and its forks) joins. Call before forking."""
+    from hivemind.averaging.allreduce import AllReduceRunner
+
+    original = getattr(AllReduceRunner.__init__, "__wrapped__", AllReduceRunner.__init__)
+
+    def __init__(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        if kwargs.get("servicer_type") is not None and kwargs["servicer_type"].__name__ == GRADIENT_AVERAGER:
+            receipts.note_round(kwargs["group_id"])
+
+    __init__.__wrapped__ = original
+    AllReduceRunner.__init__ = __init__
