@@ -6,6 +6,7 @@ import logging
 import shutil
 import tempfile
 import threading
+import time
 from pathlib import Path
 
 import hivemind
@@ -29,6 +30,7 @@ from .summary import PeerSeen, summarize
 logger = logging.getLogger("dedloc.coordinator")
 # Worker addresses remembered for a restart; a few reachable ones are enough to rejoin the swarm.
 MAX_KNOWN_PEERS = 16
+BOOTSTRAP_ATTEMPTS = 3
 
 
 def default_listen(previous: list[str], host: str) -> str:
@@ -104,13 +106,17 @@ class CoordinatorNode:
                     listen, known = default_listen(previous.multiaddrs, self.settings.host), previous.known_peers
         start = lambda peers: hivemind.DHT(  # noqa: E731
             initial_peers=peers, host_maddrs=[self.listen or listen], identity_path=str(self.identity),
-            authorizer=authorizer, start=True,
+            # After a crash the swarm still lists our PeerID for a while; the check would refuse our own restart.
+            check_if_identity_free=False, authorizer=authorizer, start=True,
         )
-        if known:
+        for attempt in range(BOOTSTRAP_ATTEMPTS if known else 0):
             try:
                 return start(known)
-            except P2PDaemonError:
-                logger.warning("none of the %d workers seen before answered; starting a new swarm", len(known))
+            except P2PDaemonError as e:  # busy or restarting workers: try again before starting alone
+                logger.warning("bootstrap from workers seen before failed (%s); retrying", e)
+                time.sleep(2.0)
+        if known:
+            logger.warning("none of the %d workers seen before answered; starting a new swarm", len(known))
         return start([])
 
     def poll_once(self, dht) -> None:
