@@ -23,10 +23,10 @@ def test_liars_excess_is_held_with_a_reason_and_honest_credit_is_unchanged(deplo
     deployment.start_portal()
     deployment.start_coordinator()
     deployment.wait_for_coordinator()
-    deployment.start_worker("alice", "--max-epochs", "6")
+    deployment.start_worker("alice", "--max-epochs", "5")
     wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")
     for name, mode in (("bob", "metrics"), ("carol", "both")):
-        deployment.start_worker(name, "--max-epochs", "6", script=[str(LIAR), mode])
+        deployment.start_worker(name, "--max-epochs", "5", script=[str(LIAR), mode])
     for name in ("alice", "bob", "carol"):
         assert deployment.wait_exit(name, timeout=240) == 0, (deployment.logs / f"{name}.log").read_text()[-2000:]
 

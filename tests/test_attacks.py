@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
@@ -54,7 +53,7 @@ def outcome_of(deployment, name: str) -> dict:
 
 
 def test_no_token_forged_expired_stolen_or_banned_gets_nothing(deployment):
-    deployment.start_swarm(["alice", "bob"], "--max-epochs", "12")
+    deployment.start_swarm(["alice", "bob"], "--max-epochs", "10")
     wait_for(lambda: deployment.swarm()["peers_online"] == 2, 90, "both workers online")
     victim = wait_for(deployment.worker_addresses, 30, "a worker address")[0]
 
@@ -68,11 +67,10 @@ def test_no_token_forged_expired_stolen_or_banned_gets_nothing(deployment):
         tokens.ban_user(session, run, "mallory", banned_by="test")
     engine.dispose()
 
-    # The harness itself must be able to reach everything: a legitimate token on the attacker's own key.
+    # The harness itself must be able to reach everything: a legitimate token on the attacker's own key
+    # (started with the attacks: admission is per peer, so one caller's success says nothing for another's).
     carol = RSAPrivateKey()
     start_attack(deployment, victim, carol, signed_token(authority, "carol", carol, 600), "control")
-    control = outcome_of(deployment, "control")
-    assert control == {call: "reached" for call in CALLS}, control
 
     # Each attacker has a fresh key (carol's stays admitted while her token lives).
     keys = {name: RSAPrivateKey() for name in ("none", "forged", "expired", "stolen")}
@@ -85,6 +83,8 @@ def test_no_token_forged_expired_stolen_or_banned_gets_nothing(deployment):
     }
     for name, (key, token) in attempts.items():  # all at once: the swarm is under attack from five sides
         start_attack(deployment, victim, key, token, name.split()[0])
+    control = outcome_of(deployment, "control")
+    assert control == {call: "reached" for call in CALLS}, control
     for name in attempts:
         outcome = outcome_of(deployment, name.split()[0])
         refused = {call: result for call, result in outcome.items() if result.startswith("refused")}
@@ -94,15 +94,3 @@ def test_no_token_forged_expired_stolen_or_banned_gets_nothing(deployment):
         assert deployment.wait_exit(name, timeout=240) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]
     alice, bob = torch.load(deployment.workdir / "alice.pt"), torch.load(deployment.workdir / "bob.pt")
     assert max((alice[k] - bob[k]).abs().max().item() for k in alice) < 1e-5
-
-
-def test_a_banned_worker_is_cut_off_within_a_minute_and_told_why(deployment):
-    deployment.start_swarm(["alice", "mallory"])
-    wait_for(lambda: deployment.swarm()["peers_online"] == 2, 90, "both workers online")
-    banned_at = time.monotonic()
-    assert deployment.cli("ban", deployment.slug, "mallory", "--reason", "poisoned gradients").returncode == 0
-    assert deployment.wait_exit("mallory", timeout=60) == 6
-    print(f"mallory was cut off {time.monotonic() - banned_at:.1f} s after the ban")
-    assert "mallory was banned from this run by its organizers" in (deployment.logs / "mallory.log").read_text()
-    epoch = deployment.swarm()["epoch"]
-    wait_for(lambda: deployment.swarm()["epoch"] >= epoch + 2, 90, "alice to carry on")

@@ -97,7 +97,7 @@ def test_a_killed_worker_leaves_and_the_other_carries_on(deployment):
 
 def test_a_coordinator_down_30_s_then_two_on_one_database_neither_lose_nor_double_credit(deployment):
     deployment.env["DEDLOC_SECRET_KEY"] = "a-secret-shared-by-every-process-of-this-deployment"
-    deployment.start_swarm(["alice", "bob"], "--max-epochs", "12")
+    deployment.start_swarm(["alice", "bob"], "--max-epochs", "11")
     wait_for(lambda: deployment.swarm()["peers_online"] == 2, 60, "both workers online")
     wait_for(lambda: deployment.credited_by_user(), 60, "the first credited epoch")
 

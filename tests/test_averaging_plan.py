@@ -1,0 +1,203 @@
+"""Averaging with a planned split: real hivemind averagers apply a plan and still compute the exact weighted mean.
+
+Also pins the hivemind 1.1.12 internals ``dedloc_worker.averaging`` relies on, so that an upgrade fails here.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import inspect
+import time
+
+import hivemind
+import pytest
+import torch
+from dedloc_worker.averaging import (
+    PLAN_MARKER,
+    PlannedAverager,
+    PlannedGradientAverager,
+    RoundRecord,
+    planned_fractions,
+)
+from dedloc_worker.cleanup import _is_torch_shm_manager, descendants
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
+from hivemind.optim.grad_averager import GradientAverager
+
+pytestmark = [
+    # hivemind run in-process leaves its background event loops unclosed when garbage-collected.
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+NODE, CLIENT = AveragingMode.NODE, AveragingMode.CLIENT
+ELEMENTS = 100_000  # with 1,000-element parts, every share below falls on a part boundary
+PART_BYTES = 4_000  # 1,000 fp32 values per part
+
+
+# --- the split rule, alone -------------------------------------------------------------------------------------
+
+
+def test_shares_of_every_member_are_used_as_given():
+    fractions = planned_fractions(ELEMENTS, [None] * 3, [NODE] * 3, [0.6, 0.3, 0.1])
+    assert fractions == pytest.approx((0.6, 0.3, 0.1))
+
+
+def test_shares_are_normalised_when_a_planned_peer_is_absent():
+    assert planned_fractions(ELEMENTS, [None] * 2, [NODE] * 2, [0.5, 0.25]) == pytest.approx((2 / 3, 1 / 3))
+
+
+def test_a_peer_the_plan_does_not_name_keeps_hiveminds_fraction():
+    # hivemind splits equally when nobody announces a bandwidth; the planned peers share the rest 2:1
+    fractions = planned_fractions(90_000, [None] * 3, [NODE] * 3, [0.6, 0.3, None])
+    assert fractions == pytest.approx((4 / 9, 2 / 9, 1 / 3))
+
+
+def test_client_mode_peers_get_zero_whatever_they_announce():
+    fractions = planned_fractions(ELEMENTS, [None] * 3, [NODE, NODE, CLIENT], [0.5, 0.25, 0.25])
+    assert fractions == pytest.approx((2 / 3, 1 / 3, 0.0))
+
+
+def test_without_any_share_hiveminds_own_split_is_kept():
+    bandwidths = [100.0, 50.0, 50.0]
+    fractions = planned_fractions(ELEMENTS, bandwidths, [NODE] * 3, [None] * 3)
+    expected = hivemind.averaging.load_balancing.load_balance_peers(ELEMENTS, bandwidths)
+    assert fractions == pytest.approx(tuple(count / ELEMENTS for count in expected))
+
+
+def test_a_member_without_the_marker_makes_everyone_use_hiveminds_split():
+    from dedloc_worker.averaging import _unwrap_announcements
+
+    shares, user = _unwrap_announcements([[PLAN_MARKER, 0.7, "a"], "plain-hivemind", [PLAN_MARKER, 0.3, None]])
+    assert shares == [None, None, None]
+    assert user == ["a", "plain-hivemind", None]
+
+
+def test_set_plan_refuses_negative_or_non_finite_shares():
+    averager = PlannedAverager.__new__(PlannedAverager)  # no process: set_plan is plain Python
+    with pytest.raises(ValueError, match="finite fraction"):
+        averager.set_plan({"peer": -0.1})
+    with pytest.raises(ValueError, match="finite fraction"):
+        averager.set_plan({"peer": float("nan")})
+
+
+# --- the hivemind internals relied on (fail on upgrade) --------------------------------------------------------
+
+# sha256 of inspect.getsource(DecentralizedAverager._aggregate_with_group) in hivemind 1.1.12: the method
+# PlannedAverager replaces. If this changes, re-read hivemind's version and port the change to averaging.py.
+AGGREGATE_WITH_GROUP_SHA256 = "c297d8a435ce2b1c0ca36b8e6bc318a23b1c696ef1624dabc654cee803650868"
+
+
+def test_hivemind_internals_are_those_the_planned_averager_was_written_against():
+    assert hivemind.__version__ == "1.1.12"
+    replaced = inspect.getsource(DecentralizedAverager._aggregate_with_group)
+    assert hashlib.sha256(replaced.encode()).hexdigest() == AGGREGATE_WITH_GROUP_SHA256
+    assert list(inspect.signature(DecentralizedAverager._run_allreduce_inplace_).parameters) == [
+        "self", "tensors", "group_info", "group_id", "kwargs"]
+    # what each peer announces, and how step hands it to matchmaking
+    assert "[self.bandwidth, self.mode.value, user_data_for_gather]" in inspect.getsource(DecentralizedAverager.step)
+    assert "self._running_groups[group_id].set_result(runner)" in inspect.getsource(
+        DecentralizedAverager._run_allreduce_inplace_)
+    # hold-back of zero-fraction peers, and the runner attributes read after a round
+    assert "self.peer_fractions[self.ordered_peer_ids.index(peer_id)] == 0" in inspect.getsource(
+        AllReduceRunner.should_delay_results)
+    runner_init = inspect.getsource(AllReduceRunner.__init__)
+    for attribute in ("self.parts_for_local_averaging", "self.tensor_part_container", "self.tensor_part_reducer"):
+        assert attribute in runner_init
+    assert "self._outer_pipe.send((\"_get_group_bits\"" in inspect.getsource(DecentralizedAverager.get_group_bits)
+    # GradientAverager.schedule_step goes through super().step, which must resolve to PlannedAverager.step
+    assert "super().step(" in inspect.getsource(GradientAverager.schedule_step)
+    assert super(GradientAverager, PlannedGradientAverager).step is PlannedAverager.step
+
+
+# --- three real averagers --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def three_averagers():
+    """Three DHT peers on loopback, each with a PlannedAverager over one 100,000-element fp32 tensor."""
+    before = set(descendants())
+    dhts, averagers = [], []
+    try:
+        for _ in range(3):
+            initial = [str(a) for a in dhts[0].get_visible_maddrs()] if dhts else []
+            dhts.append(hivemind.DHT(initial_peers=initial, host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True))
+        for dht in dhts:
+            averagers.append(PlannedAverager(
+                [torch.zeros(ELEMENTS)], dht, prefix="plan_test", start=True, target_group_size=3,
+                min_group_size=3, min_matchmaking_time=1.0, request_timeout=0.5, part_size_bytes=PART_BYTES,
+            ))
+        yield averagers
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in dhts:
+            dht.shutdown()
+        gc.collect()  # so hivemind's leftovers are reported here, under this module's warning filter
+        deadline = time.monotonic() + 10
+        while _new_processes(before) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not _new_processes(before), "hivemind processes outlived the test"
+
+
+def _new_processes(before: set[int]) -> list[int]:
+    return [pid for pid in descendants() if pid not in before and not _is_torch_shm_manager(pid)]
+
+
+def average_once(averagers, weights, seed):
+    """One round over fresh seeded vectors; returns (expected weighted mean, results, records by peer id)."""
+    generator = torch.Generator().manual_seed(seed)
+    vectors = [torch.randn(ELEMENTS, generator=generator) for _ in averagers]
+    for averager, vector in zip(averagers, vectors):
+        with averager.get_tensors() as (tensor,):
+            tensor.copy_(vector)
+    controls = [averager.step(weight=w, wait=False, timeout=30) for averager, w in zip(averagers, weights)]
+    for control in controls:
+        assert control.result(timeout=60) is not None, "the group did not form"
+    expected = sum(w * v for w, v in zip(weights, vectors)) / sum(weights)
+    results = []
+    for averager in averagers:
+        with averager.get_tensors() as (tensor,):
+            results.append(tensor.clone())
+    records = {str(averager.peer_id): averager.last_round(timeout=10) for averager in averagers}
+    return expected, results, records
+
+
+def ids(averagers) -> list[str]:
+    return [str(averager.peer_id) for averager in averagers]
+
+
+@pytest.mark.parametrize("shares", [(0.6, 0.3, 0.1), (0.7, 0.3, 0.0)], ids=["60-30-10", "with-a-zero-share"])
+def test_a_plan_splits_the_vector_as_given_and_keeps_the_exact_weighted_mean(three_averagers, shares):
+    plan = dict(zip(ids(three_averagers), shares))
+    for averager in three_averagers:
+        averager.set_plan(plan)
+    expected, results, records = average_once(three_averagers, weights=(1.0, 2.0, 3.0), seed=round(shares[-1] * 10))
+    for result in results:
+        torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
+    for peer, share in plan.items():
+        record: RoundRecord = records[peer]
+        assert record.planned and record.complete, record
+        assert dict(zip(record.peer_ids, record.fractions)) == pytest.approx(plan)
+        # the shares fall on part boundaries here, so hivemind's part-wise split hits them to the element
+        assert abs(record.aggregated_elements - share * ELEMENTS) <= 1, (peer, record.aggregated_elements)
+
+
+def test_peers_the_plan_does_not_name_and_no_plan_at_all_fall_back_to_hivemind(three_averagers):
+    first, second, third = ids(three_averagers)
+    for averager in three_averagers:
+        averager.set_plan({first: 0.5, second: 0.25})  # the third peer is not in the plan
+    expected, results, records = average_once(three_averagers, weights=(1.0, 1.0, 1.0), seed=7)
+    for result in results:
+        torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
+    # hivemind, with no bandwidth announced, gives the third peer a third (in whole elements: 33,333 of 100,000);
+    # the planned two split the rest 2:1
+    fractions = dict(zip(records[first].peer_ids, records[first].fractions))
+    assert fractions == pytest.approx({first: 4 / 9, second: 2 / 9, third: 1 / 3}, abs=1 / ELEMENTS)
+
+    for averager in three_averagers:
+        averager.set_plan(None)
+    expected, results, records = average_once(three_averagers, weights=(1.0, 1.0, 1.0), seed=8)
+    for result in results:
+        torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
+    assert not records[first].planned
+    assert records[first].fractions == pytest.approx([1 / 3] * 3, abs=1 / ELEMENTS)
