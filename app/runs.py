@@ -100,6 +100,12 @@ def register_coordinator(session: Session, run: Run, peer_id: str, multiaddrs: l
     return row
 
 
+def known_worker_addrs(session: Session, run: Run) -> list[str]:
+    """Worker addresses any coordinator of ``run`` saw lately (for bootstrapping a restarted or second one)."""
+    rows = session.scalars(select(Coordinator).where(Coordinator.run_id == run.id))
+    return sorted({addr for row in rows for addr in row.known_peers})
+
+
 def find_coordinator(session: Session, run: Run, peer_id: str) -> Optional[Coordinator]:
     return session.scalar(select(Coordinator).where(Coordinator.run_id == run.id, Coordinator.peer_id == peer_id))
 

@@ -222,6 +222,18 @@ class Deployment:
         finally:
             engine.dispose()
 
+    def set_ceiling(self, samples_per_second: float) -> None:
+        """What an organizer would set: the run's plausible samples/s per peer."""
+        from app.models import Run
+
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                session.query(Run).filter_by(slug=self.slug).update({"samples_per_second_ceiling": samples_per_second})
+                session.commit()
+        finally:
+            engine.dispose()
+
     def held_reasons(self) -> dict[str, list[str]]:
         engine = make_engine(self.database_url)
         try:

@@ -25,6 +25,8 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.optim.grad_averager import GradientAverager
 
+from app.planner import PeerProfile, plan_averaging
+
 pytestmark = [
     # hivemind run in-process leaves its background event loops unclosed when garbage-collected.
     pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
@@ -78,6 +80,19 @@ def test_set_plan_refuses_negative_or_non_finite_shares():
         averager.set_plan({"peer": -0.1})
     with pytest.raises(ValueError, match="finite fraction"):
         averager.set_plan({"peer": float("nan")})
+
+
+def test_a_client_mode_peer_leaves_the_planners_split_balanced():
+    """The split a plan hands the averagers (app.planner): a client's fixed time is no reason for a lopsided one.
+
+    The client's push-then-pull time used to be a floor under the LP's round time, so that every split keeping the
+    others below it was optimal and highs returned 0.5 / 0.5 / 0.00025, 1.3x slower than equal on emulated links.
+    """
+    mbit = 1e6 / 8
+    peers = [PeerProfile(f"p{i}", 1.0, 100 * mbit, 100 * mbit) for i in range(3)]
+    plan = plan_averaging(peers + [PeerProfile("nat", 1.0, 100 * mbit, 100 * mbit, client_mode=True)], 1e7)
+    assert plan.shares == pytest.approx({"p0": 1 / 3, "p1": 1 / 3, "p2": 1 / 3, "nat": 0.0}, rel=1e-6)
+    assert plan.predicted_seconds == pytest.approx(2 * 0.8)  # the client pushes 10 MB, then pulls it
 
 
 # --- the hivemind internals relied on (fail on upgrade) --------------------------------------------------------

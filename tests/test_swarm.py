@@ -91,24 +91,23 @@ def test_a_killed_worker_leaves_and_the_other_carries_on(deployment):
     wait_for(lambda: deployment.swarm()["peers_online"] == 1, 30, "peers_online to drop to 1")
     print(f"peers_online dropped {time.monotonic() - killed_at:.1f} s after the kill")
     epoch = deployment.swarm()["epoch"]
-    wait_for(lambda: deployment.swarm()["epoch"] >= epoch + 2, 90, "alice to carry on alone for two epochs")
+    wait_for(lambda: deployment.swarm()["epoch"] >= epoch + 1, 90, "alice to carry on alone")
     assert deployment.processes["alice"].poll() is None
 
 
-def test_a_coordinator_down_30_s_then_two_on_one_database_neither_lose_nor_double_credit(deployment):
+def test_two_coordinators_on_one_database_and_a_crash_neither_lose_nor_double_credit(deployment):
     deployment.env["DEDLOC_SECRET_KEY"] = "a-secret-shared-by-every-process-of-this-deployment"
-    deployment.start_swarm(["alice", "bob"], "--max-epochs", "11")
+    deployment.start_swarm(["alice", "bob"], "--max-epochs", "8")
     wait_for(lambda: deployment.swarm()["peers_online"] == 2, 60, "both workers online")
+    # a second coordinator, elsewhere, on the same database
+    deployment.start("coordinator-second", "-m", "app.cli", "coordinator", "--run", deployment.slug,
+                     env={"DEDLOC_DATA_DIR": str(deployment.workdir / "second"), "DATABASE_URL": deployment.database_url})
     wait_for(lambda: deployment.credited_by_user(), 60, "the first credited epoch")
 
     deployment.kill("coordinator")  # a crash: no goodbye, children reaped as its supervisor would
     deployment.reap("coordinator")
-    time.sleep(30)  # the swarm trains on without any coordinator
+    time.sleep(4)
     deployment.start_coordinator("coordinator-restarted")
-    # ... and a second coordinator, elsewhere, on the same database
-    second = deployment.workdir / "second"
-    deployment.start("coordinator-second", "-m", "app.cli", "coordinator", "--run", deployment.slug,
-                     env={"DEDLOC_DATA_DIR": str(second), "DATABASE_URL": deployment.database_url})
 
     for name in ("alice", "bob"):
         assert deployment.wait_exit(name, timeout=240) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]

@@ -5,14 +5,14 @@ from __future__ import annotations
 import hashlib
 import re
 import secrets
-from datetime import datetime, timedelta, timezone
+from datetime import timedelta
 from typing import Optional
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ..config import Settings
-from ..models import utcnow
+from ..models import as_utc, utcnow
 from .errors import SignInRefused, Unauthorized
 from .models import ApiCredential, User
 
@@ -24,11 +24,6 @@ LAST_USED_PRECISION = timedelta(seconds=60)
 
 def hash_secret(secret: str) -> str:
     return hashlib.sha256(secret.encode()).hexdigest()
-
-
-def aware(moment: datetime) -> datetime:
-    """SQLite hands back naive datetimes for timezone-aware columns; everything is written in UTC."""
-    return moment if moment.tzinfo else moment.replace(tzinfo=timezone.utc)
 
 
 def check_username(username: str) -> str:
@@ -90,7 +85,7 @@ def authenticate(session: Session, secret: str) -> User:
     if credential.revoked_at is not None:
         raise Unauthorized("this API credential was revoked; log in again with `dedloc-worker login <portal-url>`")
     now = utcnow()
-    if credential.last_used_at is None or now - aware(credential.last_used_at) > LAST_USED_PRECISION:
+    if credential.last_used_at is None or now - as_utc(credential.last_used_at) > LAST_USED_PRECISION:
         credential.last_used_at = now
         session.commit()
     return user

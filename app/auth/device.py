@@ -12,8 +12,8 @@ from typing import Optional
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from ..models import utcnow
-from .accounts import aware, hash_secret, issue_credential
+from ..models import as_utc, utcnow
+from .accounts import hash_secret, issue_credential
 from .errors import DeviceGrantError, UserCodeRefused
 from .models import DeviceCode, User
 
@@ -88,7 +88,7 @@ def pending_device_code(session: Session, user_code: str) -> DeviceCode:
                               404)
     if row.status != "pending":
         raise UserCodeRefused(f"the code {canonical} was already {row.status}; run `dedloc-worker login` again")
-    if aware(row.expires_at) <= utcnow():
+    if as_utc(row.expires_at) <= utcnow():
         raise UserCodeRefused(f"the code {canonical} has expired; run `dedloc-worker login` again")
     return row
 
@@ -118,7 +118,7 @@ def poll_device_login(session: Session, *, device_code: str) -> DeviceGrant:
         raise DeviceGrantError("invalid_grant", "this device code was already used; start the login again")
     if row.status == "denied":
         raise DeviceGrantError("access_denied", "the login was denied in the browser")
-    if aware(row.expires_at) <= now:
+    if as_utc(row.expires_at) <= now:
         raise DeviceGrantError("expired_token", "the device code expired before it was approved; "
                                                 "start the login again")
     if row.status == "approved":
@@ -142,7 +142,7 @@ def _redeem(session: Session, row: DeviceCode) -> DeviceGrant:
 
 def _still_pending(session: Session, row: DeviceCode, now: datetime) -> DeviceGrant:
     too_fast = row.last_polled_at is not None and (
-        (now - aware(row.last_polled_at)).total_seconds() < POLL_TOLERANCE * row.interval
+        (now - as_utc(row.last_polled_at)).total_seconds() < POLL_TOLERANCE * row.interval
     )
     row.last_polled_at = now
     if too_fast:

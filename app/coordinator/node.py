@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import shutil
 import tempfile
@@ -15,6 +16,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from dedloc_worker.cleanup import end_descendants
 from dedloc_worker.admission import AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, to_access_token
 from dedloc_worker.records import add_record_validators, publish_denylist, read_metrics, read_progress
+from dedloc_worker.swarm import reach_peers
 from sqlalchemy.exc import SQLAlchemyError
 
 from .. import runs, tokens
@@ -30,7 +32,7 @@ from .summary import PeerSeen, summarize
 logger = logging.getLogger("dedloc.coordinator")
 # Worker addresses remembered for a restart; a few reachable ones are enough to rejoin the swarm.
 MAX_KNOWN_PEERS = 16
-BOOTSTRAP_ATTEMPTS = 3
+BOOTSTRAP_ATTEMPTS = 2  # then start alone and call the known workers from the poll loop
 
 
 def default_listen(previous: list[str], host: str) -> str:
@@ -97,13 +99,18 @@ class CoordinatorNode:
     def _start_dht(self, authorizer):
         """Listen where this identity listened before and bootstrap from the workers it saw then: after a
         restart the swarm has dropped us from its routing tables, so we must call them, not wait for them."""
-        listen, known = f"/ip4/{self.settings.host}/tcp/0", []
-        if self.identity.exists():
-            peer_id = PeerID.from_identity(self.identity.read_bytes())
-            with self.sessions() as session:
-                previous = runs.find_coordinator(session, self.run, str(peer_id))
+        listen = f"/ip4/{self.settings.host}/tcp/0"
+        with self.sessions() as session:
+            # Workers any coordinator of the run saw lately, and the other coordinators that are up.
+            known = runs.known_worker_addrs(session, self.run) + [
+                addr for row in runs.live_coordinators(session, self.run, self.settings.coordinator_timeout)
+                for addr in row.multiaddrs]
+            if self.identity.exists():
+                peer_id = str(PeerID.from_identity(self.identity.read_bytes()))
+                previous = runs.find_coordinator(session, self.run, peer_id)
                 if previous is not None:
-                    listen, known = default_listen(previous.multiaddrs, self.settings.host), previous.known_peers
+                    listen = default_listen(previous.multiaddrs, self.settings.host)
+                    known = [addr for addr in known if not addr.endswith(peer_id)]
         start = lambda peers: hivemind.DHT(  # noqa: E731
             initial_peers=peers, host_maddrs=[self.listen or listen], identity_path=str(self.identity),
             # After a crash the swarm still lists our PeerID for a while; the check would refuse our own restart.
@@ -126,13 +133,16 @@ class CoordinatorNode:
             PeerSeen(p.peer, p.progress.epoch, p.progress.samples_accumulated, p.progress.samples_per_second)
             for p in read_progress(dht, self.config.run_id, max_age)
         ]
+        if not peers:
+            self._reach_known_workers(dht)
         metrics = [SignedMetrics(m.peer, m.record) for m in read_metrics(dht, self.config.run_id)]
         online = {p.peer_key for p in peers}
         known_peers = [addr for m in metrics if m.peer_key in online for addr in m.record.addrs][:MAX_KNOWN_PEERS]
         try:
             with self.sessions() as session:
-                denylist = tokens.signed_denylist(session, self.settings, runs.get_run(session, self.run.slug))
-                credit_epochs(session, self.run, metrics)
+                run = runs.get_run(session, self.run.slug)  # fresh: organizers change bans and the ceiling live
+                denylist = tokens.signed_denylist(session, self.settings, run)
+                credit_epochs(session, run, metrics)
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
                 record_snapshot(session, self.run, **fields)
                 runs.heartbeat(session, self.coordinator_id, known_peers=known_peers)
@@ -142,6 +152,19 @@ class CoordinatorNode:
             logger.warning("database unavailable, will retry at the next poll: %s", e)
             return
         publish_denylist(dht, self.config.run_id, self.signature, denylist)
+
+    def _reach_known_workers(self, dht) -> None:
+        """Seeing nobody, call the workers any coordinator of this run saw lately: a restarted or second
+        coordinator is in no worker's routing table, so it has to make the first call."""
+        try:
+            with self.sessions() as session:
+                addrs = runs.known_worker_addrs(session, self.run)
+        except SQLAlchemyError:
+            return
+        if addrs:
+            reached = dht.run_coroutine(functools.partial(reach_peers, addrs=addrs))
+            if reached:
+                logger.info("rejoined the swarm through %d of %d known workers", reached, len(addrs))
 
     def _mark_stopped(self) -> None:
         if getattr(self, "coordinator_id", None) is None:

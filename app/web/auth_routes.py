@@ -21,7 +21,7 @@ from ..auth.device import DevicePolicy
 from ..auth.errors import DeviceGrantError, SignInRefused, SignInRequired, UserCodeRefused
 from ..auth.models import User
 from ..config import Settings
-from ..models import utcnow
+from ..models import as_utc, utcnow
 from .deps import SessionDep, SettingsDep
 
 router = APIRouter()
@@ -212,7 +212,7 @@ def device_page(request: Request, user: CurrentUser, session: SessionDep,
     except UserCodeRefused as refused:
         return render(request, "device.html", refused.status_code, step="enter", error=str(refused),
                       user_code=user_code, user=user, csrf=csrf_token(request))
-    asked = max(0, int((utcnow() - accounts.aware(pending.created_at)).total_seconds()))
+    asked = max(0, int((utcnow() - as_utc(pending.created_at)).total_seconds()))
     return render(request, "device.html", step="confirm", pending=pending, asked_seconds_ago=asked, user=user,
                   csrf=csrf_token(request))
 

@@ -18,6 +18,7 @@ names, ``TokenAuthorizerBase``) are pinned by tests/test_admission.py.
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import threading
@@ -35,6 +36,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from .contract import PeerToken, denylist_payload, token_payload
 from .signing import load_public_openssh, peer_id_of, verify
 
+RECALL_EVERY = 5  # keeper rounds between two calls to the run's coordinators
 # A handler refuses an unknown caller only after giving the keeper this long to learn a newcomer's token.
 NEWCOMER_GRACE = 6.0
 DHT_HANDLERS = "DHTProtocol."  # guarded by RunAuthorizer, which sees the token inside each request
@@ -213,12 +215,15 @@ class AdmissionKeeper(threading.Thread):
     """
 
     def __init__(self, dht, run_id: str, state: AdmissionState, check: TokenCheck, signature,
-                 refresh: Callable[[], PeerToken], stop: threading.Event, interval: float = 3.0):
+                 refresh: Callable[[], PeerToken], stop: threading.Event, interval: float = 3.0,
+                 coordinators: Optional[Callable[[], list[str]]] = None):
         super().__init__(name="dedloc-admission", daemon=True)
         self.dht, self.run_id, self.state, self.check, self.signature = dht, run_id, state, check, signature
         self.refresh, self.stop, self.interval = refresh, stop, interval
         self.failure: Optional[str] = None
         self.halted = threading.Event()
+        # Every RECALL_EVERY rounds, call the run's coordinators: one that restarted is in nobody's routing table.
+        self.coordinators, self.rounds = coordinators, 0
         self.token, self.issued = state.read_token(), time.time()
 
     def run(self) -> None:
@@ -233,6 +238,11 @@ class AdmissionKeeper(threading.Thread):
                     raise Refused(f"{self.token.username} was banned from this run by its organizers")
                 tokens = read_tokens(self.dht, self.run_id)
                 self.state.write_admitted(admitted_peers(tokens, self.check, frozenset(denied)), denied)
+                self.rounds += 1
+                if self.coordinators is not None and self.rounds % RECALL_EVERY == 0:
+                    from .swarm import reach_peers
+
+                    self.dht.run_coroutine(functools.partial(reach_peers, addrs=self.coordinators()))
             except Refused as e:
                 self.failure = str(e)
                 self.stop.set()

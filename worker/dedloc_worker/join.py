@@ -75,7 +75,9 @@ def _join(args, stop, folder: Path, load_task_class):
     keeper = None
     try:
         signature = add_record_validators(dht, config.run_id, identity.private_key)
-        keeper = AdmissionKeeper(dht, config.run_id, state, check, signature, lambda: refresh().token, stop)
+        coordinators = lambda: fetch_join_info(args.portal, args.run).initial_peers  # noqa: E731
+        keeper = AdmissionKeeper(dht, config.run_id, state, check, signature, lambda: refresh().token, stop,
+                                 coordinators=coordinators)
         keeper.start()
         with ProgressDisplay() as display:
             result = train(dht, config, task, username, stop, signature, args.max_epochs, args.client,

@@ -36,6 +36,25 @@ def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, ide
     )
 
 
+async def reach_peers(_dht, node, addrs: Sequence[str]) -> int:
+    """Run in the DHT process (``dht.run_coroutine``): connect to and ping each multiaddr (with /p2p/ID); how
+    many answered. Both sides then hold each other in their routing tables, which a peer that was away for a
+    while (a restarted coordinator) no longer is."""
+    from hivemind.p2p import PeerID
+    from hivemind.utils.multiaddr import Multiaddr
+
+    reached = 0
+    for addr in addrs:
+        try:
+            maddr = Multiaddr(addr)
+            peer_id = PeerID.from_base58(maddr.value_for_protocol("p2p"))
+            await node.p2p._client.connect(peer_id, [maddr])  # hivemind has no public call for this
+            reached += await node.protocol.call_ping(peer_id) is not None
+        except Exception:  # an address gone stale: the next one may answer
+            continue
+    return reached
+
+
 @dataclass
 class FinishedEpoch:
     """One collaboration step this peer took part in: the epoch it closed and the samples it averaged in."""

@@ -1,0 +1,244 @@
+"""Averaging with the planner's split of the vector instead of hivemind's own bandwidth-based split.
+
+hivemind 1.1.12 splits the averaged vector between the peers of a group by an LP over one announced bandwidth per
+peer (``load_balancing.load_balance_peers``). The coordinator's planner chooses better shares (upload and download
+apart, hold-back modelled); ``PlannedAverager.set_plan`` applies them.
+
+How a plan reaches the all-reduce, so that every peer of a group uses the same split:
+
+1. Each peer announces its own share with its matchmaking metadata: ``step`` wraps the caller's ``gather`` as
+   ``[PLAN_MARKER, share, gather]`` (``share`` is None without a plan, or when the plan does not name the peer).
+2. Once the group is formed, every member holds the same metadata of every member, so ``planned_fractions``, a
+   pure function of it, gives every member the same split (two peers holding different plans, say during a plan
+   update, still agree: each peer's share is what that peer announced). Planned peers split what the unplanned
+   ones do not take, in proportion to their shares; unplanned peers keep hivemind's own fraction; client-mode
+   peers get zero. A group where nobody announced a share, or with a member that is not a ``PlannedAverager``
+   (no marker: it computes hivemind's split itself), uses hivemind's split unchanged.
+3. The split goes to hivemind's ``_run_allreduce_inplace_`` exactly where hivemind passes its own.
+
+Trust: a member can announce any share, as it can announce any bandwidth to hivemind's own split (which gives a
+peer claiming a huge bandwidth the whole vector). Checking announced shares against the coordinator's signed plan
+is left to the code that fetches the plan.
+
+Hold-back: hivemind returns averaged parts to a peer whose fraction is exactly zero only after that peer has
+finished uploading (``AllReduceRunner.should_delay_results``). A planned share that is tiny but not zero keeps a
+peer on the parallel path even when it rounds to no part at all (parts are ``part_size_bytes`` long); the planner
+gives every sender such a floor share for that reason.
+
+hivemind internals relied on (``tests/test_averaging_plan.py`` pins each, so that an upgrade fails loudly):
+``DecentralizedAverager.step`` sending ``[bandwidth, mode, gather]`` as each peer's metadata;
+``_aggregate_with_group(group_info, min_vector_size, **kwargs)`` (replaced here) calling
+``_run_allreduce_inplace_(tensors, group_info, peer_fractions=...)``; the runner kept in
+``_running_groups[group_id]`` until the step ends; ``AllReduceRunner.parts_for_local_averaging``,
+``tensor_part_container.failed_size`` and ``tensor_part_reducer.num_parts_received``; the control pipe
+(``_outer_pipe``) that runs ``_get_last_round`` in the averager's process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from dataclasses import dataclass
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.optim.grad_averager import GradientAverager
+from hivemind.utils import MPFuture, get_logger
+from hivemind.utils.asyncio import enter_asynchronously
+
+logger = get_logger(__name__)
+
+PLAN_MARKER = "dedloc.plan/1"
+"""First item of the metadata a ``PlannedAverager`` announces; peers without it are not ``PlannedAverager``s."""
+
+
+def planned_fractions(
+    total_size: int,
+    bandwidths: Sequence[Optional[float]],
+    modes: Sequence[AveragingMode],
+    shares: Sequence[Optional[float]],
+    min_vector_size: int = 0,
+) -> Tuple[float, ...]:
+    """The fraction of the vector each group member aggregates, from what the members announced.
+
+    :param total_size: elements in the averaged vector
+    :param bandwidths: each member's announced bandwidth (Mbit/s in hivemind's examples; None: not given), used
+      only for members without a share
+    :param modes: each member's averaging mode; client-mode members always get zero
+    :param shares: each member's announced share (a fraction of the vector), None where it has no plan
+    :param min_vector_size: hivemind's least part size, elements, applied to hivemind's own split only
+    :returns: fractions aligned with the group's peer order, summing to one
+    """
+    aggregates = [mode != AveragingMode.CLIENT for mode in modes]
+    planned = [share is not None and can for share, can in zip(shares, aggregates)]
+    planned_total = sum(float(share) for share, is_planned in zip(shares, planned) if is_planned)
+    if planned_total <= 0:
+        return _hivemind_fractions(total_size, bandwidths, modes, min_vector_size)
+    if all(planned[i] or not aggregates[i] for i in range(len(modes))):
+        unplanned = [0.0] * len(modes)  # no LP to solve: everyone who may aggregate has a share
+    else:
+        unplanned = _hivemind_fractions(total_size, bandwidths, modes, min_vector_size)
+    left = 1.0 - sum(fraction for fraction, is_planned in zip(unplanned, planned) if not is_planned)
+    return tuple(
+        left * float(share) / planned_total if is_planned else fraction
+        for share, is_planned, fraction in zip(shares, planned, unplanned)
+    )
+
+
+def _hivemind_fractions(
+    total_size: int, bandwidths: Sequence[Optional[float]], modes: Sequence[AveragingMode], min_vector_size: int
+) -> Tuple[float, ...]:
+    """hivemind 1.1.12's own split (``DecentralizedAverager._aggregate_with_group``), as fractions."""
+    announced = [b if mode != AveragingMode.CLIENT else 0.0 for b, mode in zip(bandwidths, modes)]
+    elements = load_balance_peers(total_size, announced, min_vector_size)
+    return tuple(count / total_size for count in elements)
+
+
+@dataclass
+class RoundRecord:
+    """What this peer saw of its last all-reduce (the averaging after matchmaking).
+
+    :param peer_ids: the group's members (base58 PeerIDs), in hivemind's order
+    :param fractions: the fraction of the vector each member was to aggregate, same order
+    :param planned: whether any member announced a share (else hivemind's own split ran)
+    :param total_elements: elements in the averaged vector
+    :param aggregated_elements: elements this peer aggregated for the group
+    :param began: wall-clock time (unix seconds) this peer started its all-reduce, after matchmaking
+    :param ended: wall-clock time (unix seconds) it finished or failed
+    :param failed_elements: elements whose average did not come back (hivemind then keeps the local values and
+      warns "received X% results"); 0 in a complete round
+    :param missing_inputs: parts this peer, as an aggregator, never received from a sender; 0 in a complete round
+    :param error: why the all-reduce failed, or None
+    """
+
+    peer_ids: List[str]
+    fractions: List[float]
+    planned: bool
+    total_elements: int
+    aggregated_elements: int = 0
+    began: float = 0.0
+    ended: float = 0.0
+    failed_elements: int = 0
+    missing_inputs: int = 0
+    error: Optional[str] = None
+
+    @property
+    def seconds(self) -> float:
+        """Duration of this peer's all-reduce, seconds."""
+        return self.ended - self.began
+
+    @property
+    def complete(self) -> bool:
+        """Whether every part was aggregated and returned."""
+        return self.error is None and self.failed_elements == 0 and self.missing_inputs == 0
+
+
+class PlannedAverager(DecentralizedAverager):
+    """``DecentralizedAverager`` that aggregates the share of the vector a plan gives it (see the module doc).
+
+    Without a plan it behaves exactly as hivemind's averager. Same arguments as ``DecentralizedAverager``.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._plan: Optional[Dict[str, float]] = None
+        self._last_round: Optional[RoundRecord] = None  # written in the averager's own process
+        super().__init__(*args, **kwargs)
+
+    @property
+    def plan(self) -> Optional[Dict[str, float]]:
+        """The shares set last (fraction of the vector by base58 PeerID), or None."""
+        return None if self._plan is None else dict(self._plan)
+
+    def set_plan(self, shares: Optional[Mapping[str, float]]) -> None:
+        """Use ``shares`` from the next ``step`` on; None returns to hivemind's own split.
+
+        :param shares: fraction of the vector each peer aggregates, by base58 PeerID; shares need not sum to one
+          (peers absent from the group are simply left out); a peer the plan does not name uses hivemind's split
+        """
+        if shares is not None:
+            for peer, share in shares.items():
+                if not (isinstance(share, (int, float)) and math.isfinite(share) and share >= 0):
+                    raise ValueError(f"plan share of {peer} must be a finite fraction >= 0, got {share!r}")
+            shares = {str(peer): float(share) for peer, share in shares.items()}
+        self._plan = shares
+
+    def step(self, gather: Any = None, *args: Any, **kwargs: Any):
+        """``DecentralizedAverager.step``, announcing this peer's planned share along with ``gather``."""
+        own = None if self._plan is None else self._plan.get(str(self.peer_id))
+        return super().step([PLAN_MARKER, own, gather], *args, **kwargs)
+
+    def last_round(self, timeout: Optional[float] = None) -> Optional[RoundRecord]:
+        """The record of this peer's last all-reduce, or None before the first; waits up to ``timeout`` seconds."""
+        future = MPFuture()
+        self._outer_pipe.send(("_get_last_round", [], dict(future=future)))
+        return future.result(timeout)
+
+    async def _get_last_round(self, future: MPFuture) -> None:
+        future.set_result(self._last_round)
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Dict:
+        """hivemind's ``_aggregate_with_group`` with ``planned_fractions`` in place of ``load_balance_peers``."""
+        try:
+            bandwidths, mode_ids, user_gathered_bytes = zip(*map(self.serializer.loads, group_info.gathered))
+            modes = tuple(map(AveragingMode, mode_ids))
+            shares, user_gathered = _unwrap_announcements([self.serializer.loads(b) for b in user_gathered_bytes])
+            fractions = await asyncio.get_event_loop().run_in_executor(
+                None, planned_fractions, self.total_size, bandwidths, modes, shares, min_vector_size
+            )
+            record = RoundRecord(
+                peer_ids=[str(peer) for peer in group_info.peer_ids],
+                fractions=list(fractions),
+                planned=any(share is not None for share in shares),
+                total_elements=self.total_size,
+            )
+            self._last_round = record
+            async with enter_asynchronously(self.get_tensors()) as local_tensors:
+                record.began = time.time()
+                try:
+                    await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions, **kwargs)
+                except BaseException as e:
+                    record.error = repr(e)
+                    raise
+                finally:
+                    record.ended = time.time()
+                    self._note_runner(record, group_info)
+            return dict(zip(group_info.peer_ids, user_gathered))
+        except BaseException as e:
+            if isinstance(e, Exception):
+                logger.exception(e)
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}")
+
+    def _note_runner(self, record: RoundRecord, group_info: GroupInfo) -> None:
+        """Copy what the finished ``AllReduceRunner`` knows into ``record`` (the runner is gone after the step)."""
+        future = self._running_groups.get(group_info.group_id)
+        if future is None or not future.done() or future.cancelled() or future.exception() is not None:
+            return
+        runner = future.result()
+        record.aggregated_elements = sum(part.numel() for part in runner.parts_for_local_averaging)
+        record.failed_elements = int(runner.tensor_part_container.failed_size)
+        reducer = runner.tensor_part_reducer
+        if reducer.num_parts and reducer.num_senders:
+            record.missing_inputs = reducer.num_parts * reducer.num_senders - sum(reducer.num_parts_received)
+
+
+def _unwrap_announcements(gathered: Sequence[Any]) -> Tuple[List[Optional[float]], List[Any]]:
+    """Split each member's metadata into (share, the caller's own gather); all shares None if any member is foreign."""
+    ours = [isinstance(item, (list, tuple)) and len(item) == 3 and item[0] == PLAN_MARKER for item in gathered]
+    user = [item[2] if mine else item for item, mine in zip(gathered, ours)]
+    if not all(ours):
+        return [None] * len(gathered), user  # a foreign member computes hivemind's split: so must we
+    shares = [item[1] if isinstance(item[1], (int, float)) and math.isfinite(item[1]) else None for item in gathered]
+    return [None if share is None or share < 0 else float(share) for share in shares], user
+
+
+class PlannedGradientAverager(GradientAverager, PlannedAverager):
+    """hivemind's ``GradientAverager`` with ``set_plan`` (pass it as ``grad_averager_factory``).
+
+    ``GradientAverager.schedule_step`` calls ``super().step``, which resolves to ``PlannedAverager.step`` here, so
+    pre-scheduled rounds announce the share too.
+    """
