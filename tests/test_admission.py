@@ -140,6 +140,12 @@ def test_admission_policy_bans_and_limits(run, tmp_path):
     session.commit()
     with pytest.raises(Forbidden, match="allowlisted"):
         tokens.issue_peer_token(session, settings, the_run, "carol", key())
+    tokens.set_admission(session, the_run, "org", "bigscience")
+    with pytest.raises(Forbidden, match="members of the bigscience organization"):
+        tokens.issue_peer_token(session, settings, the_run, "carol", key(), organizations=["other-org"])
+    tokens.issue_peer_token(session, settings, the_run, "carol", key(), organizations=["bigscience"])
+    with pytest.raises(Invalid, match="name the Hugging Face organization"):
+        tokens.set_admission(session, the_run, "org", "")
     denylist = tokens.signed_denylist(session, settings, the_run)
     assert denylist["usernames"] == []
     the_run.admission = "open"
@@ -168,3 +174,11 @@ def test_an_expired_token_with_the_portal_unreachable_stops_the_worker_with_word
                              portal_down, threading.Event())
     with pytest.raises(Refused, match="token expired and no new one could be had .*cannot reach the portal"):
         keeper._refresh_if_needed()
+
+
+def test_organizations_come_from_the_orgs_claim():
+    from app.auth.oidc import organizations_of
+
+    assert organizations_of({"orgs": [{"preferred_username": "bigscience"}, {"name": "huggingface"}, "plain"]}) == (
+        "bigscience", "huggingface", "plain")
+    assert organizations_of({}) == ()

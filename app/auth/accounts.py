@@ -53,15 +53,19 @@ def sign_in_locally(session: Session, *, username: str) -> User:
     return user
 
 
-def sign_in_with_provider(session: Session, *, issuer: str, subject: str, username: str) -> User:
-    """The user the provider knows as (issuer, subject), created on first sign-in under ``username``."""
+def sign_in_with_provider(session: Session, *, issuer: str, subject: str, username: str,
+                          organizations: tuple = ()) -> User:
+    """The user the provider knows as (issuer, subject), created on first sign-in under ``username``; the
+    organizations the provider lists are refreshed at every sign-in."""
     user = session.scalar(select(User).where(User.oidc_issuer == issuer, User.oidc_subject == subject))
     if user is not None:
+        user.organizations = list(organizations)
+        session.commit()
         return user
     if session.scalar(select(User.id).where(User.username == check_username(username))) is not None:
         raise SignInRefused(f"the username {username!r} is already taken by another account on this portal; "
                             "ask its operator to rename one of them", 409)
-    user = User(username=username, oidc_issuer=issuer, oidc_subject=subject)
+    user = User(username=username, oidc_issuer=issuer, oidc_subject=subject, organizations=list(organizations))
     session.add(user)
     session.commit()
     return user

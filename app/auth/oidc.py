@@ -36,6 +36,7 @@ class Identity:
     issuer: str
     subject: str
     username: str
+    organizations: tuple = ()  # Hugging Face's `orgs` claim (with its read-org scope), for org-only runs
 
 
 def make_oauth(settings: Settings) -> Optional[OAuth]:
@@ -88,7 +89,18 @@ async def identity_from_callback(oauth: OAuth, request: Request, settings: Setti
         raise _id_token_refusal(e) from None
     except (httpx.HTTPError, ValueError, RuntimeError) as e:
         raise SignInRefused(f"cannot complete the sign-in with the provider ({e}); try again later", 502) from None
-    return Identity(issuer=claims["iss"], subject=claims["sub"], username=username)
+    return Identity(issuer=claims["iss"], subject=claims["sub"], username=username,
+                    organizations=organizations_of(claims))
+
+
+def organizations_of(claims: dict) -> tuple:
+    """Organization names from an `orgs` claim: a list of names or of objects with `preferred_username`."""
+    names = []
+    for org in claims.get("orgs") or []:
+        name = org.get("preferred_username") or org.get("name") if isinstance(org, dict) else org
+        if isinstance(name, str) and name:
+            names.append(name)
+    return tuple(names)
 
 
 def _check_issuer(metadata: dict, settings: Settings) -> None:

@@ -132,7 +132,8 @@ async def oidc_callback(request: Request, settings: SettingsDep, session: Sessio
             raise SignInRefused("no OpenID Connect provider is configured on this portal", 404)
         identity = await oidc.identity_from_callback(oauth, request, settings)
         user = await run_in_threadpool(accounts.sign_in_with_provider, session, issuer=identity.issuer,
-                                       subject=identity.subject, username=identity.username)
+                                       subject=identity.subject, username=identity.username,
+                                       organizations=identity.organizations)
     except SignInRefused as refused:
         return render(request, "signin.html", refused.status_code, failure=str(refused), provider=None,
                       refusal=None, next="/", user=None, csrf=csrf_token(request))

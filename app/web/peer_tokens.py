@@ -17,4 +17,5 @@ def issue_peer_token(run: RunDep, user: ApiUser, body: PeerTokenRequest, session
                      settings: SettingsDep):
     """A token binding the signed-in user to the worker's key, signed by the run's authority (403 with the
     reason when the run does not admit the user, 429 with Retry-After past a per-account limit)."""
-    return tokens.issue_peer_token(session, settings, run, user.username, body.public_key)
+    return tokens.issue_peer_token(session, settings, run, user.username, body.public_key,
+                                   organizations=user.organizations or [])
