@@ -36,7 +36,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from .contract import PeerToken, denylist_payload, token_payload
 from .signing import load_public_openssh, peer_id_of, verify
 
-RECALL_EVERY = 5  # keeper rounds between two calls to the run's coordinators
+RECALL_EVERY = 15  # keeper rounds between two calls to the run's coordinators
 # A handler refuses an unknown caller only after giving the keeper this long to learn a newcomer's token.
 NEWCOMER_GRACE = 6.0
 DHT_HANDLERS = "DHTProtocol."  # guarded by RunAuthorizer, which sees the token inside each request
@@ -211,17 +211,19 @@ class AdmissionKeeper(threading.Thread):
     :param refresh: returns a new ``PeerToken`` (asks the portal, or signs locally on the coordinator); raises
         with a reason in words when the run refuses
     :param stop: set when the run refuses this peer (``failure`` says why), so training ends
-    :param interval: seconds between two reads of the DHT's tokens and denylist
+    :param interval: seconds between two reads of the DHT's tokens and denylist: a newcomer's all-reduce parts
+        wait that long at most for admission, and hivemind's round fails if they wait too long
     """
 
     def __init__(self, dht, run_id: str, state: AdmissionState, check: TokenCheck, signature,
-                 refresh: Callable[[], PeerToken], stop: threading.Event, interval: float = 3.0,
+                 refresh: Callable[[], PeerToken], stop: threading.Event, interval: float = 1.0,
                  coordinators: Optional[Callable[[], list[str]]] = None):
         super().__init__(name="dedloc-admission", daemon=True)
         self.dht, self.run_id, self.state, self.check, self.signature = dht, run_id, state, check, signature
         self.refresh, self.stop, self.interval = refresh, stop, interval
         self.failure: Optional[str] = None
         self.halted = threading.Event()
+        self.ready = threading.Event()  # set once this peer's token is published and the admitted set written
         # Every RECALL_EVERY rounds, call the run's coordinators: one that restarted is in nobody's routing table.
         self.coordinators, self.rounds = coordinators, 0
         self.token, self.issued = state.read_token(), time.time()
@@ -238,6 +240,7 @@ class AdmissionKeeper(threading.Thread):
                     raise Refused(f"{self.token.username} was banned from this run by its organizers")
                 tokens = read_tokens(self.dht, self.run_id)
                 self.state.write_admitted(admitted_peers(tokens, self.check, frozenset(denied)), denied)
+                self.ready.set()
                 self.rounds += 1
                 if self.coordinators is not None and self.rounds % RECALL_EVERY == 0:
                     from .swarm import reach_peers

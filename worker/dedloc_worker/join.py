@@ -79,6 +79,9 @@ def _join(args, stop, folder: Path, load_task_class):
         keeper = AdmissionKeeper(dht, config.run_id, state, check, signature, lambda: refresh().token, stop,
                                  coordinators=coordinators)
         keeper.start()
+        # Peers must know our token before our first all-reduce part reaches them, and we theirs.
+        keeper.ready.wait(timeout=15)
+        time.sleep(keeper.interval)
         with ProgressDisplay() as display:
             result = train(dht, config, task, username, stop, signature, args.max_epochs, args.client,
                            display.update, receipts)
