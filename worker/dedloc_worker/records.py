@@ -7,7 +7,6 @@ another's record). Readers must register the same validators, or ``get`` on a si
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -21,7 +20,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgr
 from google.protobuf.message import DecodeError
 from hivemind.proto.auth_pb2 import AccessToken
 
-from .contract import MetricsRecord, denylist_key, metrics_key, progress_key, tokens_key
+from .contract import MetricsRecord, denylist_key, metrics_key, progress_key, record_key_of_subkey, tokens_key
 
 # How long a metrics record lives in the DHT (seconds): long enough for a coordinator restart to catch up.
 METRICS_TTL = 300.0
@@ -57,10 +56,6 @@ def add_record_validators(dht: DHT, run_id: str, private_key=None) -> RSASignatu
     )
     return signature
 
-
-def peer_fingerprint(subkey: bytes) -> str:
-    """A stable short name for a peer's public key (hex SHA-256 of the signed subkey)."""
-    return hashlib.sha256(subkey).hexdigest()
 
 
 def publish_metrics(dht: DHT, run_id: str, signature: RSASignatureValidator, record: MetricsRecord) -> bool:
@@ -105,7 +100,7 @@ def read_progress(dht: DHT, run_id: str, max_age: float) -> List[PeerProgress]:
         except pydantic_v1.ValidationError:
             continue
         if now - progress.time <= max_age:
-            peers.append(PeerProgress(peer_fingerprint(subkey), progress))
+            peers.append(PeerProgress(record_key_of_subkey(subkey), progress))
     return peers
 
 
@@ -114,7 +109,7 @@ def read_metrics(dht: DHT, run_id: str) -> List[PeerMetrics]:
     records = []
     for subkey, value in _entries(dht, metrics_key(run_id)).items():
         try:
-            records.append(PeerMetrics(peer_fingerprint(subkey), MetricsRecord.parse_obj(value)))
+            records.append(PeerMetrics(record_key_of_subkey(subkey), MetricsRecord.parse_obj(value)))
         except pydantic_v1.ValidationError:
             continue
     return records
