@@ -36,15 +36,16 @@ class Decision:
 
 def decide(claimed: int, seconds: float, confirmations: Sequence[float], ceiling: float) -> Decision:
     """Credit ``claimed`` samples up to the smallest weight other peers saw and up to ``ceiling`` samples/s."""
-    if not confirmations:
-        return Decision(0, claimed, ALONE if claimed else None)
-    confirmed = int(min(confirmations))
+    confirmed = int(min(confirmations)) if confirmations else 0
     plausible = int(ceiling * seconds)
     credited = max(min(claimed, confirmed, plausible), 0)
     reasons = []
-    if confirmed < claimed:
+    if not confirmations and claimed:
+        reasons.append(ALONE)
+    elif confirmed < claimed:
         reasons.append(f"claimed {claimed:,} samples, the peers that averaged with it saw {confirmed:,}")
-    if plausible < min(claimed, confirmed):
+    # an implausible rate is named even where receipts already hold the claim back: it tells the organizer why
+    if plausible < (min(claimed, confirmed) if confirmations else claimed):
         rate = claimed / seconds if seconds > 0 else float("inf")
         reasons.append(f"claimed {rate:,.0f} samples/s, ceiling is {ceiling:,.0f}")
     return Decision(credited, claimed - credited, "; ".join(reasons) or None)

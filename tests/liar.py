@@ -2,15 +2,16 @@
 
     python tests/liar.py metrics|both <dedloc-worker arguments>
 
-metrics: claims 10x its samples in its signed metrics record only.
-both:    also averages with 10x its weight, so aggregators see (and confirm) the inflated number.
+metrics: claims 30x its samples in its signed metrics record only.
+both:    also averages with 30x its weight, so aggregators see (and confirm) the inflated number.
 """
 
 import sys
 
 from dedloc_worker import cli, trainer
 
-INFLATION = 10
+# far past the test's ceiling of 3x a solo worker's rate, however slow the shared cores make this one
+INFLATION = 30
 mode = sys.argv.pop(1)
 honest_close_epoch = trainer.close_epoch
 

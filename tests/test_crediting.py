@@ -20,6 +20,8 @@ from app.tokens import issue_peer_token
 def test_decide_credits_what_others_confirmed_up_to_the_ceiling():
     assert decide(100, 1.0, [100.0, 100.0], ceiling=1000) == Decision(100, 0, None)
     assert decide(100, 1.0, [], ceiling=1000) == Decision(0, 100, ALONE)
+    alone_and_fast = decide(9000, 1.0, [], ceiling=1000)
+    assert alone_and_fast == Decision(0, 9000, f"{ALONE}; claimed 9,000 samples/s, ceiling is 1,000")
     lied = decide(1000, 1.0, [100.0], ceiling=5000)
     assert (lied.credited, lied.held) == (100, 900) and "saw 100" in lied.reason
     fast = decide(40_000, 1.0, [40_000.0], ceiling=5000)
