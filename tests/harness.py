@@ -171,8 +171,8 @@ class Deployment:
     def wait_exit(self, name: str, timeout: float) -> int:
         return self.processes[name].wait(timeout)
 
-    def stop(self, name: str, sig: int = signal.SIGTERM) -> int | None:
-        return stop(self.processes[name], sig=sig)
+    def stop(self, name: str, sig: int = signal.SIGTERM, grace: float = 10.0) -> int | None:
+        return stop(self.processes[name], grace=grace, sig=sig)
 
     def kill(self, name: str) -> None:
         """SIGKILL the leader only, as a crash would; its children are left for ``reap`` to find."""

@@ -6,11 +6,14 @@ The pitfalls (../shared/hivemind-notes.md) and where each is handled:
 3. Child processes outliving a killed parent: the launcher ends the whole process group (``dedloc_worker.processes``).
 4. Exceptions in the training loop: ``trainer.train`` shuts the optimizer and the DHT down in ``finally``.
 5. Signed records need the validators registered on the reader too (``records.add_record_validators``).
+6. Starting an averager sets SIGINT to "ignore" in the *calling* process (``run_in_background``), so Ctrl-C no
+   longer stops the worker: ``create_optimizer`` puts the caller's handler back.
 """
 
 from __future__ import annotations
 
 import functools
+import signal
 from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
@@ -90,7 +93,8 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, verbose:
     opt = config.optimizer
     # hivemind warns (and can deadlock) when a request may outlive matchmaking; both averagers get this.
     averager_opts = dict(request_timeout=opt.matchmaking_time / 2)
-    return AccountedOptimizer(
+    on_interrupt = signal.getsignal(signal.SIGINT)
+    optimizer = AccountedOptimizer(
         dht=dht,
         run_id=config.run_id,
         params=params,
@@ -109,3 +113,5 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, verbose:
         tracker_opts=dict(metadata_expiration=opt.metadata_expiration),
         verbose=verbose,
     )
+    signal.signal(signal.SIGINT, on_interrupt)  # pitfall 6
+    return optimizer
