@@ -20,6 +20,9 @@ class Settings(BaseSettings):
     port: int = 8000
     # Seconds between two polls of the DHT by the coordinator's monitor.
     poll_interval: float = Field(2.0, gt=0)
+    # Least seconds between two averaging plans when peers join (a plan naming a peer that left is replaced
+    # at once): a volunteer whose machine flaps must not cause a plan storm.
+    plan_interval: float = Field(30.0, ge=0)
     # A coordinator whose heartbeat is older than this (seconds) is not offered to joining workers.
     coordinator_timeout: float = Field(30.0, gt=0)
     # Seconds between two server-sent updates of a dashboard.

@@ -4,6 +4,7 @@
     ├── NotFound       a run (or other object) that does not exist (HTTP 404, exit 2)
     ├── Invalid        input that breaks a rule, e.g. a slug already taken (HTTP 422, exit 2)
     ├── Forbidden      a user the run does not admit: banned, not allowlisted (HTTP 403, exit 2)
+    ├── TooLarge       a request body past its limit, e.g. an oversize link probe (HTTP 413)
     └── TooManyRequests  past a per-account limit; says when to retry (HTTP 429 + Retry-After)
 """
 
@@ -26,6 +27,10 @@ class Invalid(DedlocError):
 class Forbidden(DedlocError):
     status_code = 403
     exit_code = 2
+
+
+class TooLarge(DedlocError):
+    status_code = 413
 
 
 class TooManyRequests(DedlocError):

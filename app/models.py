@@ -191,3 +191,22 @@ class RunAllowlistEntry(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     username: Mapped[str] = mapped_column(String(100))
+
+
+class AveragingPlanRow(Base):
+    """A plan the coordinator published: who aggregates which share of the gradient vector, and how it went."""
+
+    __tablename__ = "averaging_plans"
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
+    # One entry per peer of the plan: {"peer_id", "username", "share", "role" ("aggregator", "client" or "aux"),
+    # "upload_bps", "download_bps"}; bandwidths in bytes per second, as the workers measured them.
+    peers: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
+    vector_bytes: Mapped[int] = mapped_column(BigInteger)
+    predicted_seconds: Mapped[float] = mapped_column(Float)
+    lower_bound_seconds: Mapped[float] = mapped_column(Float)
+    # Median of the round times the peers reported while this plan was current; None until one is reported.
+    measured_seconds: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    reason: Mapped[str] = mapped_column(String(200), default="")

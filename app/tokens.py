@@ -183,6 +183,11 @@ def signed_denylist(session: Session, settings: Settings, run: Run) -> dict:
     return {"usernames": usernames, "issued_at": issued_at, "signature": signature}
 
 
+def sign_plan(session: Session, settings: Settings, run: Run, payload: bytes) -> str:
+    """The authority's signature over an averaging plan (``contract.plan_payload``), so workers can trust it."""
+    return sign(authority_key(session, settings, run), payload)
+
+
 def token_holders(session: Session, run: Run) -> list[tuple[str, int, datetime]]:
     """(username, peers, latest expiry) of everyone holding an unexpired token: what organizers see."""
     query = (

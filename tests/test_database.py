@@ -12,7 +12,7 @@ from app.errors import Invalid, NotFound
 from app.models import Contribution
 
 TABLES = {"runs", "coordinators", "snapshots", "contributions", "users", "api_credentials", "device_codes", "receipts", "peers",
-          "peer_tokens", "run_bans", "run_allowlist"}
+          "peer_tokens", "run_bans", "run_allowlist", "averaging_plans"}
 
 
 def table_names(url: str) -> set[str]:

@@ -15,18 +15,19 @@ from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils.crypto import RSAPrivateKey
 from dedloc_worker.cleanup import end_descendants
 from dedloc_worker.admission import AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, to_access_token
-from dedloc_worker.records import add_record_validators, publish_denylist, read_metrics, read_progress
+from dedloc_worker.records import add_record_validators, publish_denylist, publish_plan, read_metrics, read_progress
 from dedloc_worker.swarm import reach_peers
 from sqlalchemy.exc import SQLAlchemyError
 
 from .. import runs, tokens
 from ..accounting import SignedMetrics, samples_total
-from ..crediting import credit_epochs
+from ..crediting import credit_epochs, owners
 from ..config import Settings
 from ..db import make_engine, make_sessionmaker, migrate
 from ..models import utcnow
 from ..snapshots import record_snapshot
 from ..stats_export import export_if_due
+from .planning import LinkSeen, PlanKeeper
 from .summary import PeerSeen, summarize
 
 logger = logging.getLogger("dedloc.coordinator")
@@ -58,6 +59,7 @@ class CoordinatorNode:
         self.identity = Path(settings.data_dir).resolve() / "identities" / f"{slug}.key"
         self.identity.parent.mkdir(parents=True, exist_ok=True)
         self.listen = listen
+        self.plans = PlanKeeper(settings, min_interval_s=settings.plan_interval)
 
     def serve(self, stop: threading.Event) -> None:
         folder = Path(tempfile.mkdtemp(prefix="dedloc-coordinator-"))
@@ -146,12 +148,16 @@ class CoordinatorNode:
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
                 record_snapshot(session, self.run, **fields)
                 runs.heartbeat(session, self.coordinator_id, known_peers=known_peers)
+                plan = self.plans.update(session, run, links_online(session, run, metrics, online))
+                session.commit()
             export_if_due(self.sessions, self.settings.data_dir, utcnow())  # the public daily stats dumps
         except SQLAlchemyError as e:
             # The records stay in the DHT for minutes: the next poll catches up.
             logger.warning("database unavailable, will retry at the next poll: %s", e)
             return
         publish_denylist(dht, self.config.run_id, self.signature, denylist)
+        if plan is not None:
+            publish_plan(dht, self.config.run_id, self.signature, plan)
 
     def _reach_known_workers(self, dht) -> None:
         """Seeing nobody, call the workers any coordinator of this run saw lately: a restarted or second
@@ -174,3 +180,11 @@ class CoordinatorNode:
                 runs.heartbeat(session, self.coordinator_id, alive=False)
         except SQLAlchemyError:
             pass
+
+
+def links_online(session, run, metrics: list[SignedMetrics], online: set[str]) -> list[LinkSeen]:
+    """Peers online now that reported their link, named by the token issued for their key (not by the record)."""
+    reporting = [m for m in metrics if m.peer_key in online and m.record.link is not None]
+    known = owners(session, run, (m.peer_key for m in reporting))
+    return [LinkSeen(known[m.peer_key][1], known[m.peer_key][0], m.record.link)
+            for m in reporting if m.peer_key in known]

@@ -43,12 +43,18 @@
       swarm.updated_at ? new Date(swarm.updated_at).toLocaleTimeString() : "never";
   }
 
-  // Credit changes once per epoch: refresh the contributors' table when the epoch moves.
-  const leaders = document.getElementById("leaders");
+  // Credit and the averaging plan change at most once per epoch: redraw them when the epoch moves.
   let shownEpoch = null;
-  function refreshLeaders(epoch) {
-    if (!leaders || epoch === shownEpoch) return;
+  function onEpoch(epoch) {
+    if (epoch === shownEpoch) return;
     shownEpoch = epoch;
+    refreshLeaders();
+    refreshPlan();
+  }
+
+  const leaders = document.getElementById("leaders");
+  function refreshLeaders() {
+    if (!leaders) return;
     fetch(`/api/v1/runs/${slug}/leaderboard?limit=10`).then((r) => r.json()).then((rows) => {
       const body = leaders.querySelector("tbody") || leaders;
       body.replaceChildren(...rows.map((row, i) => {
@@ -69,6 +75,40 @@
     });
   }
 
+  const plan = document.getElementById("plan");
+  function refreshPlan() {
+    // 404 while the coordinator has published no plan: shown as "no averaging plan yet".
+    if (plan) fetch(`/api/v1/runs/${slug}/plan`).then((r) => (r.ok ? r.json() : null)).then(showPlan);
+  }
+
+  function showPlan(p) {
+    plan.hidden = !p;
+    document.getElementById("no-plan").hidden = !!p;
+    if (!p) return;
+    const secs = (v) => (v === null ? "not yet" : v.toFixed(2) + " s");
+    document.getElementById("plan-predicted").textContent = secs(p.predicted_seconds);
+    document.getElementById("plan-measured").textContent = secs(p.measured_seconds);
+    document.getElementById("plan-lower-bound").textContent = secs(p.lower_bound_seconds);
+    document.getElementById("plan-created").textContent = p.created_at.slice(0, 16).replace("T", " ") + " UTC";
+    document.getElementById("plan-reason").textContent = p.reason ? "· " + p.reason : "";
+    const table = document.getElementById("plan-peers");
+    const roles = JSON.parse(table.dataset.roles);
+    table.querySelector("tbody").replaceChildren(...p.peers.map((peer) => {
+      // The columns of templates/_plan.html.
+      const cells = [peer.fingerprint, peer.username, roles[peer.role] || peer.role,
+                     (100 * peer.share).toFixed(1) + " %", peer.upload_mbps.toFixed(1), peer.download_mbps.toFixed(1)];
+      const tr = document.createElement("tr");
+      cells.forEach((value, column) => {
+        const td = document.createElement("td");
+        if (column === 0) td.appendChild(document.createElement("code")).textContent = value;
+        else td.textContent = value;
+        if (column > 2) td.className = "num";
+        tr.appendChild(td);
+      });
+      return tr;
+    }));
+  }
+
   let last = null;
   fetch(`/api/v1/runs/${slug}/history?limit=${maxPoints}`).then((r) => r.json()).then((points) => {
     points.forEach(addPoint);
@@ -83,7 +123,7 @@
   source.addEventListener("swarm", (event) => {
     const swarm = JSON.parse(event.data);
     show(swarm);
-    refreshLeaders(swarm.epoch);
+    onEpoch(swarm.epoch);
     if (swarm.updated_at && swarm.updated_at !== last) {
       last = swarm.updated_at;
       addPoint(swarm);

@@ -8,10 +8,10 @@ from typing import Annotated, Optional
 from dedloc_worker.contract import API_PREFIX, JoinInfo
 from fastapi import APIRouter, Path, Query
 
-from .. import accounting, runs, snapshots, standings
+from .. import accounting, plans, runs, snapshots, standings
 from .deps import RunDep, SessionDep, SettingsDep
-from .schemas import LeaderboardEntry, RunOut, SwarmOut, TeamEntry, UserOut
-from .views import current_swarm, leaderboard_entry, run_out, swarm_out, team_entry, user_out
+from .schemas import LeaderboardEntry, PlanOut, RunOut, SwarmOut, TeamEntry, UserOut
+from .views import current_swarm, leaderboard_entry, plan_out, run_out, swarm_out, team_entry, user_out
 
 router = APIRouter(prefix=API_PREFIX, tags=["api"])
 
@@ -45,6 +45,14 @@ def history(
     since: Annotated[Optional[datetime], Query(description="only snapshots after this ISO 8601 time")] = None,
 ):
     return [swarm_out(run, snapshot) for snapshot in snapshots.history(session, run, limit, since)]
+
+
+@router.get("/runs/{slug}/plan", response_model=PlanOut,
+            responses={404: {"description": "unknown run, or no plan published yet"}})
+def plan(run: RunDep, session: SessionDep):
+    """The current averaging plan: each peer's role, share of the vector and measured Mbit/s (a PeerID
+    fingerprint, no keys or addresses), and the predicted, measured and lower-bound round times."""
+    return plan_out(plans.published_plan(session, run))
 
 
 Limit = Annotated[int, Query(ge=1, le=1000, description="at most this many rows, from the top")]

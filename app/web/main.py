@@ -19,7 +19,7 @@ from ..auth.errors import SignInRequired
 from ..auth.oidc import make_oauth
 from ..secrets import secret_key
 from . import auth_routes
-from . import api, join, live, me, metrics, organize, pages, peer_tokens, stats
+from . import api, join, link_probe, live, me, metrics, organize, pages, peer_tokens, stats
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -43,7 +43,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.templates.env.globals["csrf_token"] = csrf_token
     app.add_exception_handler(SignInRequired, auth_routes.sign_in_first)
     app.include_router(auth_routes.router)
-    for router in (api.router, peer_tokens.router, live.router, metrics.router, join.router,
+    for router in (api.router, peer_tokens.router, link_probe.router, live.router, metrics.router, join.router,
                    organize.router, me.router, stats.router, pages.router):
         app.include_router(router)
     app.add_api_route("/healthz", lambda: {"status": "ok"}, methods=["GET"], include_in_schema=False)

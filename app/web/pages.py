@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from .. import accounting, runs, standings
+from .. import accounting, plans, runs, standings
 from .deps import RunDep, SessionDep
 from .views import current_swarm
 
@@ -25,7 +25,7 @@ def home(request: Request, session: SessionDep):
 @router.get("/runs/{slug}")
 def dashboard(request: Request, run: RunDep, session: SessionDep):
     return render(request, "dashboard.html", run=run, swarm=current_swarm(session, run),
-                  leaders=accounting.leaderboard(session, run, 10))
+                  leaders=accounting.leaderboard(session, run, 10), plan=plans.public_plan(session, run))
 
 
 @router.get("/runs/{slug}/leaderboard")

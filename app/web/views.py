@@ -9,9 +9,10 @@ from sqlalchemy.orm import Session
 
 from ..accounting import LeaderboardRow
 from ..models import Run, Snapshot
+from ..plans import PublicPlan
 from ..snapshots import latest_snapshot
 from ..standings import TeamRow, UserTotals
-from .schemas import LeaderboardEntry, RunOut, RunTotalsOut, SwarmOut, TeamEntry, UserOut
+from .schemas import LeaderboardEntry, PlanOut, RunOut, RunTotalsOut, SwarmOut, TeamEntry, UserOut
 
 
 def run_out(run: Run) -> RunOut:
@@ -53,3 +54,7 @@ def team_entry(row: TeamRow) -> TeamEntry:
 def user_out(found: UserTotals) -> UserOut:
     runs = [RunTotalsOut(run=slug, **asdict(totals)) for slug, totals in found.runs]
     return UserOut(username=found.username, team=found.team, runs=runs, **asdict(found.totals))
+
+
+def plan_out(plan: PublicPlan) -> PlanOut:
+    return PlanOut.model_validate(plan, from_attributes=True)

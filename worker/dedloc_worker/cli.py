@@ -24,7 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("portal", help="the portal's address, e.g. https://dedloc.example.org")
     join.add_argument("--run", required=True, help="the run's slug, as shown on its join page")
     join.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", help="multiaddr to accept peers on")
-    join.add_argument("--client", action="store_true", help="behind NAT: do not accept incoming connections")
+    role = join.add_mutually_exclusive_group()
+    role.add_argument("--client", action="store_true", help="behind NAT: do not accept incoming connections")
+    role.add_argument("--aux", action="store_true",
+                      help="auxiliary peer: train nothing, only aggregate (a CPU machine with a good link)")
     join.add_argument("--max-epochs", type=int, help="leave once the collaboration reaches this epoch")
     join.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the run's coordinator")
     join.add_argument("--report", type=Path, help="write this worker's contributions here as JSON on exit")

@@ -90,6 +90,22 @@ class EpochContribution(pydantic_v1.BaseModel):
     aggregated: Dict[pydantic_v1.StrictStr, Dict[pydantic_v1.StrictStr, float]] = {}
 
 
+class LinkReport(pydantic_v1.BaseModel):
+    """How a peer takes part in averaging, as it measured itself; the planner's input.
+
+    Bandwidths are bytes per second, measured by the worker with timed transfers to the portal (never typed in).
+    """
+
+    upload_bps: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
+    download_bps: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
+    client_mode: pydantic_v1.StrictBool = False  # accepts no incoming connections: never aggregates
+    aux: pydantic_v1.StrictBool = False  # auxiliary peer: aggregates, trains nothing
+    vector_bytes: pydantic_v1.conint(ge=0, strict=True) = 0  # size of the averaged gradient vector
+    # This peer's last all-reduce (after matchmaking), seconds; 0 before the first. planned: the round used a plan.
+    round_seconds: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
+    round_planned: pydantic_v1.StrictBool = False
+
+
 class MetricsRecord(pydantic_v1.BaseModel):
     """A worker's signed metrics record; the DHT subkey is the worker's public key."""
 
@@ -103,12 +119,47 @@ class MetricsRecord(pydantic_v1.BaseModel):
     addrs: List[pydantic_v1.StrictStr] = []
     # What the peer trains on, in words ("cuda: NVIDIA A100", "cpu: 8 threads"): shown to its owner only.
     hardware: pydantic_v1.StrictStr = ""
+    link: Optional[LinkReport] = None
 
 
 def mean_loss(contributions: List[EpochContribution]) -> Optional[float]:
     """Mean loss per mini-step over contributions, or None when there are no mini-steps."""
     steps = sum(c.mini_steps for c in contributions)
     return sum(c.loss_sum for c in contributions) / steps if steps else None
+
+
+# --- Averaging plans ---------------------------------------------------------------------------------------------
+# The coordinator's planner publishes who aggregates which share of the gradient vector. The plan is signed by the
+# run's authority (like the denylist), so a worker trusts it without knowing which key is the coordinator's.
+
+
+def plan_key(run_id: str) -> str:
+    """DHT key of the run's averaging plan (subkey: the publishing coordinator's public key)."""
+    return f"{run_id}_plan"
+
+
+class PlanRecord(pydantic_v1.BaseModel):
+    """An averaging plan as published in the DHT. Shares are fractions of the vector by base58 PeerID."""
+
+    shares: Dict[pydantic_v1.StrictStr, pydantic_v1.confloat(ge=0.0)]
+    predicted_seconds: pydantic_v1.confloat(ge=0.0)
+    issued_at: pydantic_v1.StrictFloat
+    signature: pydantic_v1.StrictStr
+
+
+def plan_payload(shares: Dict[str, float], predicted_seconds: float, issued_at: float) -> bytes:
+    """The bytes the authority signs: shares rounded to 1e-9 so every side serializes them alike."""
+    import json
+
+    body = {"shares": {peer: round(float(share), 9) for peer, share in sorted(shares.items())},
+            "predicted_seconds": round(float(predicted_seconds), 6), "issued_at": repr(float(issued_at))}
+    return b"plan " + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+# --- Link probes -----------------------------------------------------------------------------------------------
+# A worker measures its bandwidth with timed transfers to the portal: GET .../link-probe?size=N answers N bytes,
+# POST .../link-probe reads and discards the body. Both need the worker's credential.
+LINK_PROBE_MAX_BYTES = 16 * 1024 * 1024
 
 
 # --- Peer tokens ---------------------------------------------------------------------------------------------

@@ -47,7 +47,8 @@ def run_join(args, stop: threading.Event):
 def _join(args, stop, folder: Path, load_task_class):
     from .admission import AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, guard_handlers, to_access_token
     from .identity import PeerIdentity
-    from .portal import fetch_join_info, request_peer_token, wait_for_peers
+    from .planning import PlanFollower, link_report
+    from .portal import fetch_join_info, measure_link, request_peer_token, wait_for_peers
     from .progress import ProgressDisplay
     from .receipts import ReceiptLog, note_own_rounds
     from .records import add_record_validators
@@ -62,8 +63,14 @@ def _join(args, stop, folder: Path, load_task_class):
     info = grant.join if grant.join.initial_peers else wait_for_peers(args.portal, args.run, args.wait)
     config, username = info.config, grant.token.username
     task = load_task_class(config.task)(config.task_options, config.seed)
-    print(f"joining run {config.slug!r} as {username}: task {config.task}, "
+    role = " as an auxiliary peer" if args.aux else ""
+    print(f"joining run {config.slug!r} as {username}{role}: task {config.task}, "
           f"global batch {config.target_batch_size} samples", flush=True)
+    measured = measure_link(args.portal, args.run, credential)
+    link = link_report(measured, task.model.parameters(), args.client, args.aux)
+    if measured:
+        print(f"link to the portal: {8 * link.upload_bps / 1e6:,.0f} Mbit/s up, "
+              f"{8 * link.download_bps / 1e6:,.0f} Mbit/s down", flush=True)
 
     state, check = AdmissionState(folder), TokenCheck(grant.authority_public_key)
     state.write_token(to_access_token(grant.token))
@@ -72,7 +79,7 @@ def _join(args, stop, folder: Path, load_task_class):
     note_own_rounds(receipts)
     authorizer = RunAuthorizer(check, state, identity.private_key)
     dht = join_swarm(args, info, deadline, identity.identity_path, authorizer)
-    keeper = None
+    keeper = follower = None
     try:
         signature = add_record_validators(dht, config.run_id, identity.private_key)
         coordinators = lambda: fetch_join_info(args.portal, args.run).initial_peers  # noqa: E731
@@ -82,16 +89,19 @@ def _join(args, stop, folder: Path, load_task_class):
         # Peers must know our token before our first all-reduce part reaches them, and we theirs.
         keeper.ready.wait(timeout=15)
         time.sleep(keeper.interval)
+        follower = PlanFollower(dht, config.run_id, check, link)
+        follower.start()
         with ProgressDisplay() as display:
             result = train(dht, config, task, username, stop, signature, args.max_epochs, args.client,
-                           display.update, receipts)
+                           display.update, receipts, follower, args.aux)
         if keeper.failure:
             raise AdmissionError(keeper.failure)
         result.username, result.peer_id = username, identity.peer_id
         return result
     finally:
-        if keeper is not None:
-            keeper.halt()
+        for thread in (follower, keeper):
+            if thread is not None:
+                thread.halt()
         dht.shutdown()
 
 

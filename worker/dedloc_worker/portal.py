@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 
 import httpx
@@ -70,3 +71,25 @@ def _reason(response: httpx.Response) -> str:
         return str(response.json()["detail"])
     except (ValueError, KeyError, TypeError):
         return response.text[:200]
+
+
+def measure_link(portal_url: str, slug: str, credential: str, size: int = 4 * 1024 * 1024, repeats: int = 2,
+                 transport: httpx.BaseTransport | None = None) -> tuple[float, float] | None:
+    """(upload, download) in bytes per second, timed transfers of ``size`` bytes to and from the portal, best of
+    ``repeats``; None when the portal cannot be probed (the planner then leaves this peer to hivemind's split)."""
+    url = f"{portal_url.rstrip('/')}{API_PREFIX}/runs/{slug}/link-probe"
+    headers = {"Authorization": f"Bearer {credential}"}
+    payload = os.urandom(size)  # incompressible, whatever the transport does
+    upload = download = 0.0
+    try:
+        with httpx.Client(transport=transport, timeout=60, headers=headers) as client:
+            for _ in range(repeats):
+                began = time.perf_counter()
+                client.post(url, content=payload).raise_for_status()
+                upload = max(upload, size / (time.perf_counter() - began))
+                began = time.perf_counter()
+                received = len(client.get(url, params={"size": size}).raise_for_status().content)
+                download = max(download, received / (time.perf_counter() - began))
+    except httpx.HTTPError:
+        return None
+    return upload, download

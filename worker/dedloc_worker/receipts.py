@@ -15,8 +15,9 @@ import os
 from pathlib import Path
 from typing import Dict, Optional, Tuple
 
-GRADIENT_PARTS = "GradientAverager.rpc_aggregate_part"  # hivemind's handler name for gradient all-reduce parts
-GRADIENT_AVERAGER = "GradientAverager"
+# The end of hivemind's handler name for gradient all-reduce parts ("<ClassName>.rpc_aggregate_part": our
+# PlannedGradientAverager's name ends the same).
+GRADIENT_PARTS = "GradientAverager.rpc_aggregate_part"
 
 
 class ReceiptLog:
@@ -61,12 +62,14 @@ class ReceiptLog:
 def note_own_rounds(receipts: ReceiptLog) -> None:
     """Log every gradient all-reduce round this process (and its forks) joins. Call before forking."""
     from hivemind.averaging.allreduce import AllReduceRunner
+    from hivemind.optim.grad_averager import GradientAverager
 
     original = getattr(AllReduceRunner.__init__, "__wrapped__", AllReduceRunner.__init__)
 
     def __init__(self, *args, **kwargs):
         original(self, *args, **kwargs)
-        if kwargs.get("servicer_type") is not None and kwargs["servicer_type"].__name__ == GRADIENT_AVERAGER:
+        servicer = kwargs.get("servicer_type")
+        if isinstance(servicer, type) and issubclass(servicer, GradientAverager):  # the planned one too
             receipts.note_round(kwargs["group_id"])
 
     __init__.__wrapped__ = original

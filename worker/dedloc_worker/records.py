@@ -1,4 +1,4 @@
-"""Signed DHT records of a run: hivemind's progress records and dedloc's metrics records.
+"""Signed DHT records of a run: hivemind's progress records, dedloc's metrics, tokens, denylist and plan.
 
 Writers sign with the process's RSA key (the record's subkey is the owner's public key, so no peer can overwrite
 another's record). Readers must register the same validators, or ``get`` on a signed key never resolves
@@ -20,7 +20,10 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgr
 from google.protobuf.message import DecodeError
 from hivemind.proto.auth_pb2 import AccessToken
 
-from .contract import MetricsRecord, denylist_key, metrics_key, progress_key, record_key_of_subkey, tokens_key
+from .contract import (
+    MetricsRecord, PlanRecord, denylist_key, metrics_key, plan_key, plan_payload, progress_key, record_key_of_subkey,
+    tokens_key,
+)
 
 # How long a metrics record lives in the DHT (seconds): long enough for a coordinator restart to catch up.
 METRICS_TTL = 300.0
@@ -41,6 +44,7 @@ class DenylistRecord(pydantic_v1.BaseModel):
 class AdmissionSchema(pydantic_v1.BaseModel):
     tokens: Dict[BytesWithPublicKey, Optional[bytes]]
     denylist: Dict[BytesWithPublicKey, Optional[DenylistRecord]]
+    plan: Dict[BytesWithPublicKey, Optional[PlanRecord]]
 
 
 def add_record_validators(dht: DHT, run_id: str, private_key=None) -> RSASignatureValidator:
@@ -151,3 +155,25 @@ def read_denylist(dht: DHT, run_id: str, check) -> List[str]:
             if newest is None or record.issued_at > newest.issued_at:
                 newest = record
     return list(newest.usernames) if newest else []
+
+
+def publish_plan(dht: DHT, run_id: str, signature: RSASignatureValidator, plan: PlanRecord) -> bool:
+    """Store the run's averaging plan (already signed by the run's authority) under this coordinator's key."""
+    return bool(dht.store(plan_key(run_id), plan.dict(), get_dht_time() + TOKEN_RECORD_TTL,
+                          subkey=signature.local_public_key, return_future=False))
+
+
+def read_plan(dht: DHT, run_id: str, check) -> Optional[PlanRecord]:
+    """The newest plan signed by the run's authority, or None (two coordinators may both publish one)."""
+    from .signing import verify
+
+    newest = None
+    for value in _entries(dht, plan_key(run_id)).values():
+        try:
+            record = PlanRecord.parse_obj(value)
+        except pydantic_v1.ValidationError:
+            continue
+        payload = plan_payload(record.shares, record.predicted_seconds, record.issued_at)
+        if verify(check.authority, payload, record.signature) and (newest is None or record.issued_at > newest.issued_at):
+            newest = record
+    return newest

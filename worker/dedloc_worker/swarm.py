@@ -18,7 +18,6 @@ from dataclasses import dataclass
 from typing import List, Optional, Sequence
 
 import hivemind
-from hivemind.optim.grad_averager import GradientAverager
 
 from .contract import RunConfig
 
@@ -86,9 +85,14 @@ class AccountedOptimizer(hivemind.Optimizer):
         self.finished_epochs.append(FinishedEpoch(self.local_epoch - 1, samples))
 
 
-def create_optimizer(dht, config: RunConfig, params, client_mode: bool, verbose: bool = False):
-    """The run's collaborative optimizer over ``params``, configured from the run config."""
+def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: bool = False, verbose: bool = False):
+    """The run's collaborative optimizer over ``params``, configured from the run config.
+
+    :param aux: an auxiliary peer: it aggregates its share of every round and trains nothing
+    """
     import torch
+
+    from .averaging import PlannedGradientAverager
 
     opt = config.optimizer
     # hivemind warns (and can deadlock) when a request may outlive matchmaking; both averagers get this.
@@ -100,15 +104,17 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, verbose:
         params=params,
         optimizer=functools.partial(torch.optim.Adam, lr=opt.lr),
         target_batch_size=config.target_batch_size,
-        batch_size_per_step=config.batch_size,
+        batch_size_per_step=None if aux else config.batch_size,
         matchmaking_time=opt.matchmaking_time,
         averaging_timeout=opt.averaging_timeout,
         delay_optimizer_step=opt.delay_optimizer_step,
         delay_grad_averaging=opt.delay_grad_averaging,
         # Pitfall 1: a client-mode DHT with an implicit Optimizer client_mode crashes at the first epoch.
         client_mode=client_mode,
-        # Pitfall 2: averager_opts reach only the state averager; the gradient averager gets them here.
-        grad_averager_factory=functools.partial(GradientAverager, **averager_opts),
+        auxiliary=aux,
+        # Pitfall 2: averager_opts reach only the state averager; the gradient averager gets them here, and it is
+        # the one that applies the coordinator's averaging plan.
+        grad_averager_factory=functools.partial(PlannedGradientAverager, **averager_opts),
         averager_opts=averager_opts,
         tracker_opts=dict(metadata_expiration=opt.metadata_expiration),
         verbose=verbose,

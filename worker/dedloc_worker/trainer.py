@@ -11,13 +11,14 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .contract import RECENT_EPOCHS_KEPT, EpochContribution, MetricsRecord, RunConfig, mean_loss
+from .contract import RECENT_EPOCHS_KEPT, EpochContribution, LinkReport, MetricsRecord, RunConfig, mean_loss
 from .errors import TrainingError
 from .records import publish_metrics
 from .swarm import create_optimizer
 
 
 LEAVE_GRACE = 2.0  # seconds a leaving peer keeps serving the round it just finished
+AUX_POLL = 0.2  # seconds an auxiliary peer waits between two looks for a round to aggregate
 
 
 @dataclass
@@ -73,38 +74,37 @@ def train(
     client_mode: bool = False,
     on_status: Callable[[Status], None] = lambda status: None,
     receipts=None,
+    follower=None,
+    aux: bool = False,
 ) -> TrainingResult:
     """Train until ``stop`` is set or the collaboration reaches ``max_epochs``; always leaves the swarm.
 
     :param signature: the ``RSASignatureValidator`` this peer's records are signed with
     :param receipts: a ``receipts.ReceiptLog`` of the gradient parts this peer aggregated
+    :param follower: a ``planning.PlanFollower``: applies the coordinator's averaging plan, reports the link
+    :param aux: an auxiliary peer: computes nothing, aggregates its share of every round
     :returns: this peer's contributions (samples per epoch it took part in) and its final parameters
     """
     addrs = [] if client_mode else [str(addr) for addr in dht.get_visible_maddrs()]
     hardware = describe_hardware()
-    opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode)
+    opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode, aux=aux)
     contributions: deque = deque(maxlen=RECENT_EPOCHS_KEPT)
     every_contribution: List[EpochContribution] = []
     tally = EpochTally(opt.local_epoch)
     try:
         while not stop.is_set() and (max_epochs is None or opt.local_epoch < max_epochs):
-            try:
-                loss = task.batch_loss(config.batch_size)
-                loss.backward()
-            except Exception as e:  # a task is a plugin: say which one failed, in one line
-                raise TrainingError(f"task {config.task!r} failed: {type(e).__name__}: {e}") from e
-            if not math.isfinite(loss.item()):
-                raise TrainingError(f"the loss became {loss.item()}; the task or its learning rate is unstable")
-            tally.loss_sum += loss.item()
-            tally.mini_steps += 1
-            opt.step()
-            opt.zero_grad()
+            if aux:
+                opt.step()  # joins the round when the swarm is ready for one
+                stop.wait(AUX_POLL)
+            else:
+                mini_step(task, config, opt, tally)
             while opt.finished_epochs:
                 finished = opt.finished_epochs.pop(0)
                 contribution = close_epoch(tally, finished, *(receipts.drain() if receipts else (None, {})))
                 contributions.append(contribution)
                 every_contribution.append(contribution)
-                record = metrics_record(username, opt, contributions, addrs, hardware)
+                link = follower.after_epoch(opt.grad_averager) if follower else None
+                record = metrics_record(username, opt, contributions, addrs, hardware, link)
                 publish_metrics(dht, config.run_id, signature, record)
             if tally.epoch != opt.local_epoch:
                 tally = EpochTally(opt.local_epoch)  # a new epoch, or state reloaded: earlier samples were dropped
@@ -117,6 +117,21 @@ def train(
         return TrainingResult(every_contribution, opt.local_epoch, state)
     finally:
         opt.shutdown()
+
+
+def mini_step(task, config: RunConfig, opt, tally: EpochTally) -> None:
+    """One local mini-batch: forward, backward, and hand the gradients to the collaborative optimizer."""
+    try:
+        loss = task.batch_loss(config.batch_size)
+        loss.backward()
+    except Exception as e:  # a task is a plugin: say which one failed, in one line
+        raise TrainingError(f"task {config.task!r} failed: {type(e).__name__}: {e}") from e
+    if not math.isfinite(loss.item()):
+        raise TrainingError(f"the loss became {loss.item()}; the task or its learning rate is unstable")
+    tally.loss_sum += loss.item()
+    tally.mini_steps += 1
+    opt.step()
+    opt.zero_grad()
 
 
 def close_epoch(tally: EpochTally, finished, group: Optional[str], aggregated: dict) -> EpochContribution:
@@ -137,7 +152,8 @@ def describe_hardware() -> str:
     return f"cpu: {torch.get_num_threads()} threads"
 
 
-def metrics_record(username: str, opt, contributions, addrs: List[str], hardware: str = "") -> MetricsRecord:
+def metrics_record(username: str, opt, contributions, addrs: List[str], hardware: str = "",
+                   link: Optional[LinkReport] = None) -> MetricsRecord:
     from hivemind.utils import get_dht_time
 
     return MetricsRecord(
@@ -148,6 +164,7 @@ def metrics_record(username: str, opt, contributions, addrs: List[str], hardware
         recent=list(contributions),
         addrs=addrs,
         hardware=hardware,
+        link=link,
     )
 
 

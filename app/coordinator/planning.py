@@ -1,0 +1,108 @@
+"""The coordinator's side of adaptive averaging: from the peers' link reports to a signed plan in the DHT.
+
+Each poll, the peers online with a measured link become ``PeerProfile``s; the ``Replanner`` decides whether a new
+plan replaces the current one (hysteresis); a new plan is signed by the run's authority, written to the database
+(the dashboard's view) and published in the DHT, where workers read it after each epoch and apply it to their
+gradient averager. The current plan is republished every poll (DHT records expire), and the round times the
+peers report under it are kept beside it as the measured figure.
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Optional, Sequence
+
+from dedloc_worker.contract import LinkReport, PlanRecord, plan_payload
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from .. import tokens
+from ..config import Settings
+from ..models import AveragingPlanRow, Run
+from ..planner import PeerProfile, Plan, PlanningError, Replanner
+
+logger = logging.getLogger("dedloc.coordinator")
+
+
+@dataclass(frozen=True)
+class LinkSeen:
+    """A peer online now, as its owner's token and its signed metrics record describe it."""
+
+    peer_id: str
+    username: str
+    link: LinkReport
+
+
+def profiles_of(peers: Sequence[LinkSeen]) -> list[PeerProfile]:
+    """The planner's view of the peers that measured their link (the others keep hivemind's split)."""
+    return [
+        PeerProfile(peer.peer_id, 0.0, peer.link.upload_bps, peer.link.download_bps,
+                    client_mode=peer.link.client_mode, aux=peer.link.aux)
+        for peer in peers if peer.link.upload_bps > 0 and peer.link.download_bps > 0
+    ]
+
+
+def role_of(link: LinkReport) -> str:
+    return "client" if link.client_mode else "aux" if link.aux else "aggregator"
+
+
+class PlanKeeper:
+    """Keeps one run's averaging plan current. ``update`` once per poll; returns the record to publish."""
+
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic, min_interval_s: float = 30.0):
+        self.settings, self.clock, self.min_interval_s = settings, clock, min_interval_s
+        self.replanner: Optional[Replanner] = None
+        self.vector_bytes = 0
+        self.record: Optional[PlanRecord] = None
+        self.row_id: Optional[int] = None
+
+    def update(self, session: Session, run: Run, peers: Sequence[LinkSeen]) -> Optional[PlanRecord]:
+        """Re-plan if the peers call for it; note the measured round time; the plan to publish now, or None."""
+        profiles = profiles_of(peers)
+        vector_bytes = max((peer.link.vector_bytes for peer in peers), default=0)
+        if len(profiles) >= 2 and vector_bytes > 0:
+            if vector_bytes != self.vector_bytes:  # a new task or model: old plans say nothing about it
+                self.replanner = Replanner(vector_bytes=vector_bytes, clock=self.clock,
+                                           min_interval_s=self.min_interval_s)
+                self.vector_bytes = vector_bytes
+            try:
+                plan = self.replanner.update(profiles)
+            except PlanningError as e:  # e.g. nobody left who may aggregate: keep hivemind's own split
+                logger.warning("no averaging plan for these peers: %s", e)
+                plan = None
+            if plan is not None:
+                self._adopt(session, run, plan, peers, self.replanner.last_reason)
+        self._note_measured(session, peers)
+        return self.record
+
+    def _adopt(self, session: Session, run: Run, plan: Plan, peers: Sequence[LinkSeen], reason: str) -> None:
+        issued_at = time.time()
+        signature = tokens.sign_plan(session, self.settings, run,
+                                     plan_payload(plan.shares, plan.predicted_seconds, issued_at))
+        self.record = PlanRecord(shares=plan.shares, predicted_seconds=plan.predicted_seconds, issued_at=issued_at,
+                                 signature=signature)
+        row = AveragingPlanRow(
+            run_id=run.id, vector_bytes=self.vector_bytes, predicted_seconds=plan.predicted_seconds,
+            lower_bound_seconds=plan.lower_bound_seconds, reason=reason[:200],
+            peers=[dict(peer_id=peer.peer_id, username=peer.username, share=plan.shares.get(peer.peer_id, 0.0),
+                        role=role_of(peer.link), upload_bps=peer.link.upload_bps,
+                        download_bps=peer.link.download_bps) for peer in peers if peer.peer_id in plan.shares],
+        )
+        session.add(row)
+        session.flush()
+        self.row_id = row.id
+        logger.info("new averaging plan (%s): predicted %.3f s per round, bound %.3f s",
+                    reason, plan.predicted_seconds, plan.lower_bound_seconds)
+
+    def _note_measured(self, session: Session, peers: Sequence[LinkSeen]) -> None:
+        """The median round time the peers report under the current plan."""
+        if self.row_id is None:
+            return
+        rounds = [peer.link.round_seconds for peer in peers if peer.link.round_planned and peer.link.round_seconds]
+        if rounds:
+            row = session.scalar(select(AveragingPlanRow).where(AveragingPlanRow.id == self.row_id))
+            if row is not None:
+                row.measured_seconds = statistics.median(rounds)

@@ -1,0 +1,36 @@
+"""dedloc-worker, writing down every gradient all-reduce it takes part in, for a test to check the arithmetic.
+
+    python tests/witness.py FOLDER <dedloc-worker arguments>
+
+For each round, FOLDER/<group>-<peer>.pt holds this peer's vector before and after the all-reduce, the weight it
+averaged with, the group's members and the fractions of the vector each aggregated (the plan's split, or
+hivemind's). The code under test is unchanged: the record is taken around hivemind's own all-reduce call.
+"""
+
+import sys
+from pathlib import Path
+
+import torch
+
+from dedloc_worker import averaging, cli
+
+folder = Path(sys.argv.pop(1))
+folder.mkdir(parents=True, exist_ok=True)
+run_allreduce = averaging.PlannedGradientAverager._run_allreduce_inplace_
+
+
+async def witnessed(self, tensors, group_info, group_id=None, **kwargs):
+    before = [tensor.detach().clone() for tensor in tensors]
+    await run_allreduce(self, tensors, group_info, group_id, **kwargs)
+    group = (group_id or group_info.group_id).hex()
+    record = dict(
+        group=group, me=str(self.peer_id), peers=[str(peer) for peer in group_info.peer_ids],
+        weight=kwargs.get("weight"), fractions=list(kwargs.get("peer_fractions") or []),
+        planned=bool(self._last_round and self._last_round.planned),
+        before=before, after=[tensor.detach().clone() for tensor in tensors],
+    )
+    torch.save(record, folder / f"{group}-{self.peer_id}.pt")
+
+
+averaging.PlannedGradientAverager._run_allreduce_inplace_ = witnessed
+cli.main(sys.argv[1:])
