@@ -124,6 +124,28 @@ def test_hivemind_internals_are_those_the_planned_averager_was_written_against()
     assert super(GradientAverager, PlannedGradientAverager).step is PlannedAverager.step
 
 
+def test_a_part_whose_senders_all_weigh_nothing_averages_to_zeros_not_nan():
+    import asyncio
+
+    from hivemind.averaging.partition import TensorPartReducer
+
+    from dedloc_worker.averaging import guard_weightless_parts
+
+    assert "self.accumulator.div_(self.denominator)" in inspect.getsource(
+        getattr(TensorPartReducer.check_current_part_finished, "__wrapped__",
+                TensorPartReducer.check_current_part_finished))
+
+    async def reduce(weights):
+        reducer = TensorPartReducer([torch.Size([4])], num_senders=len(weights))
+        parts = [torch.full((4,), float(i + 1)) for i in range(len(weights))]
+        return await asyncio.gather(*(reducer.accumulate_part(i, 0, part, weight=w)
+                                      for i, (part, w) in enumerate(zip(parts, weights))))
+
+    guard_weightless_parts()
+    assert torch.equal(asyncio.run(reduce([0.0, 0.0]))[0], torch.zeros(4))  # hivemind alone: NaN
+    assert torch.allclose(asyncio.run(reduce([1.0, 3.0]))[0], torch.full((4,), 1.75))  # weighted mean unchanged
+
+
 # --- three real averagers --------------------------------------------------------------------------------------
 
 

@@ -64,8 +64,8 @@ def weighted_mean_errors(rounds: list[dict]) -> list[float]:
     return errors
 
 
-def test_three_workers_and_an_aux_peer_follow_the_plan_and_every_sample_is_credited(deployment):
-    """Issue 4's ground truth and issue 5's live plan in one swarm: three trainers and one auxiliary peer."""
+def test_three_workers_follow_the_plan_average_exactly_and_every_sample_is_credited(deployment):
+    """The ground truth of crediting and the live averaging plan in one swarm of three workers."""
     workers, rounds = ["alice", "bob", "carol"], deployment.workdir / "rounds"
     deployment.env["DEDLOC_PLAN_INTERVAL"] = "0"  # re-plan at each join, so the last plan names everyone
     deployment.create_run(target_batch_size=3072)
@@ -93,7 +93,7 @@ def test_three_workers_and_an_aux_peer_follow_the_plan_and_every_sample_is_credi
     first, last = epoch_losses(deployment, "alice")[0], epoch_losses(deployment, "carol")[-1]
     assert last < first, f"the loss did not fall: {first} -> {last}"
 
-    # The plan: published, naming everyone with a measured link, dave as an aggregator that sends nothing.
+    # The plan: published, naming everyone with a measured link.
     plan = deployment.get(f"/api/v1/runs/{deployment.slug}/plan")
     roles = {peer["username"]: peer["role"] for peer in plan["peers"]}
     assert roles == {"alice": "aggregator", "bob": "aggregator", "carol": "aggregator"}, plan
@@ -143,9 +143,12 @@ def test_a_killed_worker_leaves_and_the_other_carries_on(deployment):
 
 
 def test_two_coordinators_on_one_database_then_none_for_30_s_neither_lose_nor_double_credit(deployment):
+    """Also the auxiliary role: dave trains nothing, aggregates his share, and his receipts count."""
     deployment.env["DEDLOC_SECRET_KEY"] = "a-secret-shared-by-every-process-of-this-deployment"
+    deployment.env["DEDLOC_PLAN_INTERVAL"] = "0"
     deployment.start_swarm(["alice", "bob"], "--max-epochs", "60")
-    wait_for(lambda: deployment.swarm()["peers_online"] == 2, 60, "both workers online")
+    deployment.start_worker("dave", "--aux", "--max-epochs", "60")
+    wait_for(lambda: deployment.swarm()["peers_online"] >= 2, 60, "both trainers online")
     # a second coordinator, elsewhere, on the same database
     deployment.start("coordinator-second", "-m", "app.cli", "coordinator", "--run", deployment.slug,
                      env={"DEDLOC_DATA_DIR": str(deployment.workdir / "second"), "DATABASE_URL": deployment.database_url})
@@ -160,17 +163,22 @@ def test_two_coordinators_on_one_database_then_none_for_30_s_neither_lose_nor_do
     assert deployment.stop("coordinator-second", grace=30) == 0
     epoch_down = max(epoch for _, epoch, _ in deployment.rows_per_epoch())
     time.sleep(30)
-    assert all(deployment.processes[name].poll() is None for name in ("alice", "bob")), "the workers ended early"
+    assert all(deployment.processes[name].poll() is None for name in ("alice", "bob", "dave")), "ended early"
     deployment.start_coordinator("coordinator-restarted")
     # it rejoins the running swarm: epochs trained after the outage began reach the database while training goes on
     wait_for(lambda: max(epoch for _, epoch, _ in deployment.rows_per_epoch()) > epoch_down + 6, 60,
              "the restarted coordinator to credit epochs trained while it was down")
-    assert all(deployment.processes[name].poll() is None for name in ("alice", "bob")), "the workers ended early"
+    assert all(deployment.processes[name].poll() is None for name in ("alice", "bob", "dave")), "ended early"
 
-    for name in ("alice", "bob"):  # volunteers leave with Ctrl-C: a round in flight may take its timeout (10 s)
+    for name in ("alice", "bob", "dave"):  # volunteers leave with Ctrl-C: a round in flight may take its timeout
         assert deployment.stop(name, signal.SIGINT, grace=30) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]
-    expected = {name: reported_samples(deployment, name) for name in ("alice", "bob")}
+    expected = {name: reported_samples(deployment, name) for name in ("alice", "bob", "dave")}
     wait_for(lambda: deployment.credited_by_user() == expected, 45, f"claims to reach {expected}")
-    truth = confirmed_truth(deployment, ["alice", "bob"])
+    truth = confirmed_truth(deployment, ["alice", "bob", "dave"])
     wait_for(lambda: deployment.credit_by_user() == truth, 30, f"credit to match the workers' receipts {truth}")
     assert all(count == 1 for _, _, count in deployment.rows_per_epoch())
+    # dave aggregated parts of the trainers' gradients, as the plan's auxiliary peer, and claimed no samples
+    assert any(c["aggregated"] for c in deployment.report("dave")["contributions"])
+    assert expected["dave"] == 0 and expected["alice"] and expected["bob"]
+    roles = {peer["username"]: peer["role"] for peer in deployment.get(f"/api/v1/runs/{deployment.slug}/plan")["peers"]}
+    assert roles.get("dave") == "aux", roles

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import hivemind
 from hivemind.p2p import P2PDaemonError, PeerID
+from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from dedloc_worker.cleanup import end_descendants
 from dedloc_worker.admission import AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, to_access_token
@@ -148,7 +149,7 @@ class CoordinatorNode:
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
                 record_snapshot(session, self.run, **fields)
                 runs.heartbeat(session, self.coordinator_id, known_peers=known_peers)
-                plan = self.plans.update(session, run, links_online(session, run, metrics, online))
+                plan = self.plans.update(session, run, links_online(session, run, metrics, online, max_age))
                 session.commit()
             export_if_due(self.sessions, self.settings.data_dir, utcnow())  # the public daily stats dumps
         except SQLAlchemyError as e:
@@ -182,9 +183,12 @@ class CoordinatorNode:
             pass
 
 
-def links_online(session, run, metrics: list[SignedMetrics], online: set[str]) -> list[LinkSeen]:
-    """Peers online now that reported their link, named by the token issued for their key (not by the record)."""
-    reporting = [m for m in metrics if m.peer_key in online and m.record.link is not None]
+def links_online(session, run, metrics: list[SignedMetrics], online: set[str], max_age: float) -> list[LinkSeen]:
+    """Peers online now that reported their link, named by the token issued for their key (not by the record).
+    Auxiliary peers publish no progress record: a fresh metrics record counts as online too."""
+    now = get_dht_time()
+    reporting = [m for m in metrics if m.record.link is not None
+                 and (m.peer_key in online or now - m.record.time <= max_age)]
     known = owners(session, run, (m.peer_key for m in reporting))
     return [LinkSeen(known[m.peer_key][1], known[m.peer_key][0], m.record.link)
             for m in reporting if m.peer_key in known]

@@ -242,3 +242,25 @@ class PlannedGradientAverager(GradientAverager, PlannedAverager):
     ``GradientAverager.schedule_step`` calls ``super().step``, which resolves to ``PlannedAverager.step`` here, so
     pre-scheduled rounds announce the share too.
     """
+
+
+def guard_weightless_parts() -> None:
+    """Make a part whose senders all carry weight 0 average to zeros instead of 0/0 = NaN. Call before forking.
+
+    hivemind divides each aggregated part by its senders' total weight. An auxiliary peer sends nothing, so a
+    group of it and a trainer that has just reloaded state (0 samples accumulated) divides 0 by 0, and the NaN
+    spreads through state averaging to the whole swarm (seen here: every trainer's loss became NaN). hivemind's
+    ``TensorPartReducer.check_current_part_finished`` is pinned by tests/test_averaging_plan.py.
+    """
+    from hivemind.averaging.partition import TensorPartReducer
+
+    original = getattr(TensorPartReducer.check_current_part_finished, "__wrapped__",
+                       TensorPartReducer.check_current_part_finished)
+
+    def check_current_part_finished(self):
+        if self.current_part_accumulated_from == self.num_current_senders and self.denominator == 0:
+            self.denominator = 1.0  # the accumulator holds zeros: the weighted mean of nothing
+        return original(self)
+
+    check_current_part_finished.__wrapped__ = original
+    TensorPartReducer.check_current_part_finished = check_current_part_finished

@@ -6,7 +6,9 @@ The pitfalls (../shared/hivemind-notes.md) and where each is handled:
 3. Child processes outliving a killed parent: the launcher ends the whole process group (``dedloc_worker.processes``).
 4. Exceptions in the training loop: ``trainer.train`` shuts the optimizer and the DHT down in ``finally``.
 5. Signed records need the validators registered on the reader too (``records.add_record_validators``).
-6. Starting an averager sets SIGINT to "ignore" in the *calling* process (``run_in_background``), so Ctrl-C no
+6. A group whose senders all weigh 0 (an auxiliary peer and a trainer that just reloaded state) averages to NaN:
+   ``averaging.guard_weightless_parts`` (``create_optimizer``).
+7. Starting an averager sets SIGINT to "ignore" in the *calling* process (``run_in_background``), so Ctrl-C no
    longer stops the worker: ``create_optimizer`` puts the caller's handler back.
 """
 
@@ -92,7 +94,9 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
     """
     import torch
 
-    from .averaging import PlannedGradientAverager
+    from .averaging import PlannedGradientAverager, guard_weightless_parts
+
+    guard_weightless_parts()
 
     opt = config.optimizer
     # hivemind warns (and can deadlock) when a request may outlive matchmaking; both averagers get this.
@@ -119,5 +123,5 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
         tracker_opts=dict(metadata_expiration=opt.metadata_expiration),
         verbose=verbose,
     )
-    signal.signal(signal.SIGINT, on_interrupt)  # pitfall 6
+    signal.signal(signal.SIGINT, on_interrupt)  # pitfall 7
     return optimizer

@@ -92,7 +92,7 @@ def train(
     every_contribution: List[EpochContribution] = []
     tally = EpochTally(opt.local_epoch)
     try:
-        while not stop.is_set() and (max_epochs is None or opt.local_epoch < max_epochs):
+        while not stop.is_set() and (max_epochs is None or epoch_of(opt, aux) < max_epochs):
             if aux:
                 opt.step()  # joins the round when the swarm is ready for one
                 stop.wait(AUX_POLL)
@@ -117,6 +117,11 @@ def train(
         return TrainingResult(every_contribution, opt.local_epoch, state)
     finally:
         opt.shutdown()
+
+
+def epoch_of(opt, aux: bool) -> int:
+    """The epoch this peer is at; an auxiliary peer loads no state, so it goes by the collaboration's."""
+    return max(opt.local_epoch, opt.tracker.global_epoch) if aux else opt.local_epoch
 
 
 def mini_step(task, config: RunConfig, opt, tally: EpochTally) -> None:
