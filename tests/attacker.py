@@ -98,13 +98,16 @@ async def averaging_calls(dht, victim_id: PeerID, run_id: str) -> dict:
     async def parts():
         yield averaging_pb2.AveragingData(group_id=b"attack", code=averaging_pb2.PART_FOR_AVERAGING)
 
+    from dedloc_worker.averaging import PlannedGradientAverager
+
+    grad_averager = f"{run_id}_grad_averager::{PlannedGradientAverager.__name__}"  # the class names the handlers
     calls = {
         "matchmaking": lambda: first_message(
-            f"{run_id}_grad_averager::GradientAverager.rpc_join_group",
+            f"{grad_averager}.rpc_join_group",
             averaging_pb2.JoinRequest(schema_hash=b"x", expiration=get_dht_time() + 5),
             averaging_pb2.MessageFromLeader),
         "allreduce_part": lambda: first_message(
-            f"{run_id}_grad_averager::GradientAverager.rpc_aggregate_part", parts(), averaging_pb2.AveragingData),
+            f"{grad_averager}.rpc_aggregate_part", parts(), averaging_pb2.AveragingData),
         "state_download": lambda: first_message(
             f"{run_id}_state_averager::TrainingStateAverager.rpc_download_state",
             averaging_pb2.DownloadRequest(), averaging_pb2.DownloadData),

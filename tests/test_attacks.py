@@ -4,18 +4,20 @@ valid token of the run gets nothing out of it, on any RPC."""
 from __future__ import annotations
 
 import json
+import signal
 import sys
+import time
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-import torch
 from dedloc_worker.contract import token_payload
 from dedloc_worker.signing import new_private_key, sign
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey
 
 from app import runs, tokens
+from app.processes import group_members
 from app.config import Settings
 from app.db import make_engine, make_sessionmaker
 from tests.harness import wait_for
@@ -52,8 +54,8 @@ def outcome_of(deployment, name: str) -> dict:
     return json.loads(next(line for line in reversed(lines) if line.startswith("{")))
 
 
-def test_no_token_forged_expired_stolen_or_banned_gets_nothing(deployment):
-    deployment.start_swarm(["alice", "bob"], "--max-epochs", "10")
+def test_no_token_forged_expired_stolen_or_banned_gets_nothing_and_a_killed_peer_leaves_a_survivor(deployment):
+    deployment.start_swarm(["alice", "bob"], "--max-epochs", "60")
     wait_for(lambda: deployment.swarm()["peers_online"] == 2, 90, "both workers online")
     victim = wait_for(deployment.worker_addresses, 30, "a worker address")[0]
 
@@ -90,7 +92,16 @@ def test_no_token_forged_expired_stolen_or_banned_gets_nothing(deployment):
         refused = {call: result for call, result in outcome.items() if result.startswith("refused")}
         assert set(refused) == set(CALLS), f"{name}: {outcome}"
 
-    for name in ("alice", "bob"):
-        assert deployment.wait_exit(name, timeout=240) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]
-    alice, bob = torch.load(deployment.workdir / "alice.pt"), torch.load(deployment.workdir / "bob.pt")
-    assert max((alice[k] - bob[k]).abs().max().item() for k in alice) < 1e-5
+    # Then an honest peer dies without a goodbye (SIGKILL): hivemind's children outlive it (hivemind-notes, pitfall
+    # 3) until its process group is ended, and the survivor carries on alone within the averaging timeout.
+    bob = deployment.processes["bob"]
+    deployment.kill("bob")
+    assert group_members(bob.pid), "expected hivemind's children to outlive a SIGKILLed worker"
+    deployment.reap("bob")
+    assert group_members(bob.pid) == []
+    killed_at = time.monotonic()
+    wait_for(lambda: deployment.swarm()["peers_online"] == 1, 30, "peers_online to drop to 1")
+    print(f"peers_online dropped {time.monotonic() - killed_at:.1f} s after the kill")
+    epoch = deployment.swarm()["epoch"]
+    wait_for(lambda: deployment.swarm()["epoch"] >= epoch + 1, 90, "alice to carry on alone")
+    assert deployment.stop("alice", signal.SIGINT, grace=30) == 0, (deployment.logs / "alice.log").read_text()[-3000:]
