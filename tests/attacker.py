@@ -13,11 +13,12 @@ import asyncio
 import functools
 import json
 import tempfile
+import time
 from pathlib import Path
 
 import hivemind
 from dedloc_worker.identity import PeerIdentity
-from dedloc_worker.records import add_record_validators, publish_token
+from dedloc_worker.records import add_record_validators, publish_token, read_tokens
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
@@ -25,6 +26,9 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
+
+# Seconds a caller waits after its token is in the DHT: a few of the victims' admission rounds (1 s each).
+ADMISSION_WAIT = 3.0
 
 
 class CarriesAnyToken(TokenAuthorizerBase):
@@ -69,6 +73,11 @@ def probe(victim: str, run_id: str, key: RSAPrivateKey, token: AccessToken | Non
         if token is not None:  # announce the token as a legitimate worker does; a victim must still check it
             signature = add_record_validators(dht, run_id, key)
             publish_token(dht, run_id, signature, token)
+            # and, like one, call only once the swarm can know it: a refusal must never be a matter of timing
+            deadline = time.monotonic() + 10
+            while token not in read_tokens(dht, run_id) and time.monotonic() < deadline:
+                time.sleep(0.5)
+        time.sleep(ADMISSION_WAIT)
         results = dht.run_coroutine(functools.partial(dht_calls, victim_id=victim_id, run_id=run_id))
         results.update(asyncio.run(averaging_calls(dht, victim_id, run_id)))
         return results

@@ -141,7 +141,7 @@ class Deployment:
         Started together, fresh peers each take epoch 0 alone before they find each other, and their
         parameters part for good (state averaging pulls them close, never equal): a real run has one founder.
         """
-        self.create_run(target_batch_size=3072)
+        self.create_run(target_batch_size=2048)
         self.start_portal()
         self.start_coordinator()
         self.wait_for_coordinator()
@@ -183,8 +183,15 @@ class Deployment:
         kill_group(self.processes[name].pid)
 
     def close(self) -> None:
-        for proc in reversed(list(self.processes.values())):
-            stop(proc, grace=10)
+        """End everything this deployment started: all asked at once (workers may finish a round), then each group
+        ended, what is left killed after 10 s in all."""
+        procs = list(reversed(self.processes.values()))
+        for proc in procs:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        for proc in procs:
+            stop(proc, grace=max(deadline - time.monotonic(), 0.1))
         for pid in tagged_processes(self.tag):
             try:
                 os.kill(pid, signal.SIGKILL)

@@ -15,7 +15,7 @@ LIAR = Path(__file__).with_name("liar.py")
 
 
 def test_liars_excess_is_held_with_a_reason_and_honest_credit_is_unchanged(deployment):
-    deployment.create_run(target_batch_size=3072)
+    deployment.create_run(target_batch_size=2048)
     deployment.start_portal()
     deployment.start_coordinator()
     deployment.wait_for_coordinator()

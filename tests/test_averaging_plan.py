@@ -180,8 +180,20 @@ def _new_processes(before: set[int]) -> list[int]:
     return [pid for pid in descendants() if pid not in before and not _is_torch_shm_manager(pid)]
 
 
-def average_once(averagers, weights, seed):
-    """One round over fresh seeded vectors; returns (expected weighted mean, results, records by peer id)."""
+def average_once(averagers, weights, seed, attempts: int = 3):
+    """One complete round over fresh seeded vectors; returns (expected weighted mean, results, records by peer id).
+
+    hivemind 1.1.12 now and then loses a part on loopback ("received 99% results": the peer keeps its own values
+    there); bench-notes count such a round as failed, and so does this test: it tries again with fresh vectors.
+    """
+    for attempt in range(attempts):
+        expected, results, records = _average(averagers, weights, seed + 1000 * attempt)
+        if all(record.complete for record in records.values()):
+            break
+    return expected, results, records
+
+
+def _average(averagers, weights, seed):
     generator = torch.Generator().manual_seed(seed)
     vectors = [torch.randn(ELEMENTS, generator=generator) for _ in averagers]
     for averager, vector in zip(averagers, vectors):

@@ -15,7 +15,7 @@ from .contract import LinkReport, PlanRecord
 from .records import read_plan
 
 ROUND_QUERY_TIMEOUT = 2.0  # seconds to wait for the averager process to say how its last round went
-PLAN_POLL = 3.0  # seconds between two reads of the run's plan
+PLAN_POLL = 1.0  # seconds between two reads of the run's plan: a new plan reaches the next round
 
 
 class PlanFollower(threading.Thread):
