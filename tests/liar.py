@@ -2,16 +2,17 @@
 
     python tests/liar.py metrics|both <dedloc-worker arguments>
 
-metrics: claims 30x its samples in its signed metrics record only.
-both:    also averages with 30x its weight, so aggregators see (and confirm) the inflated number.
+metrics: claims 100x its samples in its signed metrics record only.
+both:    also averages with 100x its weight, so aggregators see (and confirm) the inflated number.
 """
 
 import sys
 
 from dedloc_worker import cli, trainer
 
-# far past the test's ceiling of 3x a solo worker's rate, however slow the shared cores make this one
-INFLATION = 30
+# far past the test's ceiling of 3x a solo worker's rate, however slow the shared cores make this one (at 30x,
+# a liar that got 4% of a core stayed under it)
+INFLATION = 100
 mode = sys.argv.pop(1)
 honest_close_epoch = trainer.close_epoch
 

@@ -15,14 +15,14 @@ LIAR = Path(__file__).with_name("liar.py")
 
 
 def test_liars_excess_is_held_with_a_reason_and_honest_credit_is_unchanged(deployment):
-    deployment.create_run(target_batch_size=2048)
+    deployment.create_run(target_batch_size=3072)
     deployment.start_portal()
     deployment.start_coordinator()
     deployment.wait_for_coordinator()
     deployment.start_worker("alice", "--max-epochs", "8")
     wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")
     # The organizer's ceiling: three times what one worker does alone on this machine. Sharing two cores, each
-    # worker then runs at half to two thirds of that, so honest ones stay under it and 30x liars go over.
+    # worker then runs at half to two thirds of that, so honest ones stay under it and 100x liars go over.
     ceiling = round(3 * deployment.swarm()["samples_per_second"])
     deployment.set_ceiling(ceiling)
     for name, mode in (("bob", "metrics"), ("carol", "both")):

@@ -19,6 +19,16 @@ def reported_samples(deployment, username: str) -> int:
     return sum(c["samples"] for c in deployment.report(username)["contributions"])
 
 
+def is_confirmed(reports: dict[str, dict], name: str, claim: dict) -> bool:
+    """Whether another worker's report says it aggregated ``name``'s part of the claim's round with the weight
+    ``name`` claims."""
+    peer_id = reports[name]["peer_id"]
+    seen = [c["aggregated"].get(claim["group"], {}).get(peer_id) for other, report in reports.items()
+            if other != name for c in report["contributions"]] if claim["group"] else []
+    weights = [w for w in seen if w is not None]
+    return bool(weights) and int(min(weights)) >= claim["samples"]
+
+
 def confirmed_truth(deployment, usernames: list[str]) -> dict[str, tuple[int, int]]:
     """From the workers' own reports: per user, (samples another worker saw it send, samples nobody confirmed).
 
@@ -28,16 +38,9 @@ def confirmed_truth(deployment, usernames: list[str]) -> dict[str, tuple[int, in
     reports = {name: deployment.report(name) for name in usernames}
     truth = {}
     for name, report in reports.items():
-        credited = held = 0
-        for claim in report["contributions"]:
-            seen = [c["aggregated"].get(claim["group"], {}).get(report["peer_id"]) for other, r in reports.items()
-                    if other != name for c in r["contributions"]] if claim["group"] else []
-            weights = [w for w in seen if w is not None]
-            if weights and int(min(weights)) >= claim["samples"]:
-                credited += claim["samples"]
-            else:
-                held += claim["samples"]
-        truth[name] = (credited, held)
+        confirmed = [is_confirmed(reports, name, claim) for claim in report["contributions"]]
+        credited = sum(c["samples"] for c, ok in zip(report["contributions"], confirmed) if ok)
+        truth[name] = (credited, sum(c["samples"] for c in report["contributions"]) - credited)
     return truth
 
 
@@ -46,16 +49,18 @@ def epoch_losses(deployment, username: str) -> list[float]:
 
 
 def weighted_mean_errors(rounds: list[dict]) -> list[float]:
-    """For every all-reduce that all its members wrote down: the largest distance between a member's result and
-    the weighted mean of the members' inputs (auxiliary members send nothing, weight 0)."""
+    """For every all-reduce that went through whole: the largest distance between a member's result and the
+    weighted mean of the members' inputs."""
     by_group: dict[str, list[dict]] = {}
     for record in rounds:
         by_group.setdefault(record["group"], []).append(record)
     errors = []
     for members in by_group.values():
-        if len(members) != len(members[0]["peers"]) or sum(m["weight"] for m in members) == 0:
-            continue  # a member's record is missing (it left mid-round): nothing exact to compare with
+        if len(members) != len(members[0]["peers"]) or not all(m["complete"] for m in members):
+            continue  # a member left mid-round, or hivemind lost a part (its values stay local): nothing exact
         total = sum(m["weight"] for m in members)
+        if not total:
+            continue
         for index in range(len(members[0]["before"])):
             mean = sum(m["before"][index].double() * m["weight"] for m in members) / total
             errors.extend((m["after"][index].double() - mean).abs().max().item()
@@ -103,6 +108,18 @@ def test_three_workers_follow_the_plan_average_exactly_and_every_sample_is_credi
     assert planned and any(len(record["peers"]) == 3 for record in planned), [r["peers"] for r in written]
     errors = weighted_mean_errors(planned)
     assert errors and max(errors) < 1e-5, f"{len(errors)} comparisons, worst {max(errors, default=None)}"
+    # and the plan leaves every member parts of the others to aggregate, so every claim in a planned round of all
+    # three is attested by another member (a plan that gave one peer the whole vector left its samples unattested)
+    reports = {name: deployment.report(name) for name in workers}
+    members = {}
+    for record in planned:
+        members.setdefault(record["group"], []).append(record)
+    full = {group for group, records in members.items()
+            if len(records) == 3 and all(record["complete"] for record in records)}
+    assert full, "no planned round of all three went through whole"
+    unattested = [(name, c["epoch"]) for name in workers for c in reports[name]["contributions"]
+                  if c["group"] in full and c["samples"] and not is_confirmed(reports, name, c)]
+    assert not unattested, unattested
 
     # Exact: the worker's report and the DHT record carry the same number, the weight hivemind averaged with.
     expected = {name: reported_samples(deployment, name) for name in workers}

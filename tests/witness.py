@@ -3,7 +3,7 @@
     python tests/witness.py FOLDER <dedloc-worker arguments>
 
 For each round, FOLDER/<group>-<peer>.pt holds this peer's vector before and after the all-reduce, the weight it
-averaged with, the group's members and the fractions of the vector each aggregated (the plan's split, or
+averaged with, whether every part came and went (hivemind now and then loses one), the group's members and the fractions of the vector each aggregated (the plan's split, or
 hivemind's). The code under test is unchanged: the record is taken around hivemind's own all-reduce call.
 """
 
@@ -22,8 +22,14 @@ run_allreduce = averaging.PlannedGradientAverager._run_allreduce_inplace_
 async def witnessed(self, tensors, group_info, group_id=None, **kwargs):
     before = [tensor.detach().clone() for tensor in tensors]
     await run_allreduce(self, tensors, group_info, group_id, **kwargs)
-    group = (group_id or group_info.group_id).hex()
+    group_bytes = group_id or group_info.group_id
+    group = group_bytes.hex()
+    runner = self._running_groups[group_bytes].result()  # set when the all-reduce began
+    reducer = runner.tensor_part_reducer
+    complete = runner.tensor_part_container.failed_size == 0 and (
+        not reducer.num_parts or sum(reducer.num_parts_received) == reducer.num_parts * reducer.num_senders)
     record = dict(
+        complete=bool(complete),
         group=group, me=str(self.peer_id), peers=[str(peer) for peer in group_info.peer_ids],
         weight=kwargs.get("weight"), fractions=list(kwargs.get("peer_fractions") or []),
         planned=bool(self._last_round and self._last_round.planned),

@@ -25,6 +25,16 @@ from ..models import AveragingPlanRow, Run
 from ..planner import PeerProfile, Plan, PlanningError, Replanner
 
 logger = logging.getLogger("dedloc.coordinator")
+# Share of the vector the live plan spreads evenly over the senders. hivemind hands out whole parts (a tensor, or
+# 512 KiB of one), so a peer with a sliver of the vector aggregates no part at all; then nobody sees the main
+# aggregator's weight and its samples cannot be attested (held "alone", seen with a 99.9% / 0.03% / 0.03% plan).
+# With half the vector spread evenly, every sender aggregates parts of the others.
+ATTESTATION_SHARE = 0.5
+
+
+def attestation_floor(peers: list[PeerProfile]) -> float:
+    """Each sender that may aggregate gets at least this fraction of the vector (``ATTESTATION_SHARE`` spread)."""
+    return ATTESTATION_SHARE / max(sum(1 for p in peers if p.sends and p.can_aggregate), 1)
 
 
 @dataclass(frozen=True)
@@ -66,7 +76,7 @@ class PlanKeeper:
         if len(profiles) >= 2 and vector_bytes > 0:
             if vector_bytes != self.vector_bytes:  # a new task or model: old plans say nothing about it
                 self.replanner = Replanner(vector_bytes=vector_bytes, clock=self.clock,
-                                           min_interval_s=self.min_interval_s)
+                                           min_interval_s=self.min_interval_s, min_share=attestation_floor)
                 self.vector_bytes = vector_bytes
             try:
                 plan = self.replanner.update(profiles)

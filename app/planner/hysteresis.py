@@ -23,6 +23,7 @@ class Replanner:
     :param min_improvement: fraction by which the predicted round time must drop to publish (0.05 is 5%)
     :param min_interval_s: least seconds between two solves, unless a named peer has left
     :param hold_back: model hivemind 1.1.12's hold-back of results for zero-share peers (see ``app.planner.lp``)
+    :param min_share: the floor share of every sender for these peers (``plan_averaging``'s ``min_share``)
     """
 
     def __init__(
@@ -33,6 +34,7 @@ class Replanner:
         min_improvement: float = 0.05,
         min_interval_s: float = 30.0,
         hold_back: bool = True,
+        min_share: Callable[[list[PeerProfile]], float | None] = lambda peers: None,
     ) -> None:
         if not 0.0 <= min_improvement < 1.0:
             raise PlanningError(f"min_improvement is a fraction in [0, 1), got {min_improvement}")
@@ -43,6 +45,7 @@ class Replanner:
         self._min_improvement = min_improvement
         self._min_interval_s = min_interval_s
         self._hold_back = hold_back
+        self._min_share = min_share
         self._current: Plan | None = None
         self._solved_for: frozenset[PeerProfile] | None = None
         self._solved_at = 0.0
@@ -71,7 +74,7 @@ class Replanner:
         return self._keep("new plan is not faster by more than the threshold")
 
     def _solve(self, peers: list[PeerProfile], key: frozenset[PeerProfile]) -> Plan:
-        plan = plan_averaging(peers, self._vector_bytes, hold_back=self._hold_back)
+        plan = plan_averaging(peers, self._vector_bytes, hold_back=self._hold_back, min_share=self._min_share(peers))
         self._solved_for, self._solved_at = key, self._clock()
         return plan
 
