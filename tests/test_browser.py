@@ -50,6 +50,12 @@ def test_the_dashboard_of_a_running_demo_moves_without_a_reload(deployment, brow
     assert counter(page) > first
     assert navigations == [url], "the page reloaded"
     assert page.locator("#live-state").inner_text() == "· live"
+    # The averaging plan of the two workers: on the page, or drawn in when the epoch moves after the coordinator
+    # published it.
+    page.wait_for_function("document.querySelectorAll('#plan-peers tbody tr').length === 2", timeout=60_000)
+    plan = page.locator("#plan-peers").inner_text()
+    assert "alice" in plan and "bob" in plan and "aggregator" in plan, plan
+    assert page.locator("#plan-predicted").inner_text().endswith(" s")
     page.wait_for_timeout(1500)  # let the charts draw a few points
     page.screenshot(path=str(output_dir / "dashboard.png"), full_page=True)
     assert "alice" in page.locator("#leaders").inner_text()

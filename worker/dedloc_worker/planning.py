@@ -2,8 +2,9 @@
 
 The worker measures its upload and download once at join (``portal.measure_link``) and repeats them in every
 metrics record with its role and its last all-reduce's duration; the coordinator plans from those reports and
-publishes a plan signed by the run's authority. After each epoch the worker reads the newest plan and gives it
-to its gradient averager (``averaging.PlannedGradientAverager.set_plan``), which announces its share to the group.
+publishes a plan signed by the run's authority. A thread reads the newest plan every second; after each epoch the
+training loop gives it to the gradient averager (``averaging.PlannedGradientAverager.set_plan``), which announces
+its share to its group.
 """
 
 from __future__ import annotations
