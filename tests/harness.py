@@ -253,6 +253,17 @@ class Deployment:
         finally:
             engine.dispose()
 
+    def plans(self) -> list[list[dict]]:
+        """The peers of every averaging plan the coordinators published, oldest first."""
+        from app.models import AveragingPlanRow
+
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                return list(session.scalars(select(AveragingPlanRow.peers).order_by(AveragingPlanRow.id)))
+        finally:
+            engine.dispose()
+
     def rows_per_epoch(self) -> list[tuple[str, int, int]]:
         """(peer key, epoch, count) for every credited pair: a count above 1 would be double counting."""
         engine = make_engine(self.database_url)

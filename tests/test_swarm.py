@@ -178,5 +178,6 @@ def test_two_coordinators_on_one_database_then_none_for_30_s_neither_lose_nor_do
     # dave aggregated parts of the trainers' gradients, as the plan's auxiliary peer, and claimed no samples
     assert any(c["aggregated"] for c in deployment.report("dave")["contributions"])
     assert expected["dave"] == 0 and expected["alice"] and expected["bob"]
-    roles = {peer["username"]: peer["role"] for peer in deployment.get(f"/api/v1/runs/{deployment.slug}/plan")["peers"]}
-    assert roles.get("dave") == "aux", roles
+    # and some plan named him as auxiliary (the current one may not: a plan is replaced only when 5% faster)
+    roles = [{peer["username"]: peer["role"] for peer in plan} for plan in deployment.plans()]
+    assert any(named.get("dave") == "aux" for named in roles), roles
