@@ -33,7 +33,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.timed_storage import get_dht_time
 
-from .contract import PeerToken, denylist_payload, token_payload
+from .contract import PeerToken, token_payload
 from .signing import load_public_openssh, peer_id_of, verify
 
 RECALL_EVERY = 15  # keeper rounds between two calls to the run's coordinators
@@ -289,7 +289,3 @@ def admitted_peers(tokens: list[AccessToken], check: TokenCheck, denied: frozens
                 continue
             peers[peer] = max(peers.get(peer, 0.0), parse_expiration(token.expiration_time))
     return peers
-
-
-def denylist_is_authentic(check: TokenCheck, usernames: list[str], issued_at: float, signature: str) -> bool:
-    return verify(check.authority, denylist_payload(usernames, issued_at), signature)

@@ -21,8 +21,8 @@ from google.protobuf.message import DecodeError
 from hivemind.proto.auth_pb2 import AccessToken
 
 from .contract import (
-    MetricsRecord, PlanRecord, denylist_key, metrics_key, plan_key, plan_payload, progress_key, record_key_of_subkey,
-    tokens_key,
+    MetricsRecord, PlanRecord, denylist_key, denylist_payload, metrics_key, plan_key, plan_payload, progress_key,
+    record_key_of_subkey, tokens_key,
 )
 
 # How long a metrics record lives in the DHT (seconds): long enough for a coordinator restart to catch up.
@@ -143,17 +143,8 @@ def publish_denylist(dht: DHT, run_id: str, signature: RSASignatureValidator, de
 
 def read_denylist(dht: DHT, run_id: str, check) -> List[str]:
     """Banned usernames from the newest denylist signed by the run's authority ([] when none)."""
-    from .admission import denylist_is_authentic
-
-    newest = None
-    for value in _entries(dht, denylist_key(run_id)).values():
-        try:
-            record = DenylistRecord.parse_obj(value)
-        except pydantic_v1.ValidationError:
-            continue
-        if denylist_is_authentic(check, record.usernames, record.issued_at, record.signature):
-            if newest is None or record.issued_at > newest.issued_at:
-                newest = record
+    newest = _newest_authentic(dht, denylist_key(run_id), DenylistRecord, check,
+                               lambda record: denylist_payload(record.usernames, record.issued_at))
     return list(newest.usernames) if newest else []
 
 
@@ -165,15 +156,22 @@ def publish_plan(dht: DHT, run_id: str, signature: RSASignatureValidator, plan: 
 
 def read_plan(dht: DHT, run_id: str, check) -> Optional[PlanRecord]:
     """The newest plan signed by the run's authority, or None (two coordinators may both publish one)."""
+    return _newest_authentic(dht, plan_key(run_id), PlanRecord, check,
+                             lambda record: plan_payload(record.shares, record.predicted_seconds, record.issued_at))
+
+
+def _newest_authentic(dht: DHT, key: str, model, check, payload_of):
+    """The record under ``key`` with the latest ``issued_at`` whose signature is the run's authority's, or None:
+    any coordinator (or anyone) may publish under its own subkey, only the authority's signature counts."""
     from .signing import verify
 
     newest = None
-    for value in _entries(dht, plan_key(run_id)).values():
+    for value in _entries(dht, key).values():
         try:
-            record = PlanRecord.parse_obj(value)
+            record = model.parse_obj(value)
         except pydantic_v1.ValidationError:
             continue
-        payload = plan_payload(record.shares, record.predicted_seconds, record.issued_at)
-        if verify(check.authority, payload, record.signature) and (newest is None or record.issued_at > newest.issued_at):
-            newest = record
+        if verify(check.authority, payload_of(record), record.signature):
+            if newest is None or record.issued_at > newest.issued_at:
+                newest = record
     return newest
