@@ -77,10 +77,10 @@ def test_three_workers_follow_the_plan_average_exactly_and_every_sample_is_credi
     deployment.start_coordinator()
     deployment.wait_for_coordinator()
     witness = [str(WITNESS), str(rounds)]
-    deployment.start_worker("alice", "--max-epochs", "9", script=witness)
+    deployment.start_worker("alice", "--max-epochs", "11", script=witness)
     wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")
     for name in workers[1:]:
-        deployment.start_worker(name, "--max-epochs", "9", script=witness)
+        deployment.start_worker(name, "--max-epochs", "11", script=witness)
     for name in workers:
         assert deployment.wait_exit(name, timeout=240) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]
 
