@@ -30,6 +30,20 @@ which the results sent back to a slow peer trail its upload by a whole part). On
 rounds of the planner's split on this shared 2-core machine: 10.0 s with these settings, 11.2 s with 512 KiB
 parts, 8.3 s with 50 ms queues; single rounds of one setting spread from 7.9 to 12.9 s.
 
+Modes share the peers and their connections, and a round leaves its connections in a state the next one inherits,
+so each round starts one mode further on: every mode follows every other equally often. (Before, the planner always
+followed hivemind's split and measured 10.0 s on 400 + 3 x 50 where, in its own rounds, it measured 7.1-8.7 s.)
+
+Why hivemind's rounds run slower than the links (measured on 400 + 3 x 50, planner's split; per-0.25 s byte
+counters of each tbf): a slow peer's upload and download take turns instead of running together, and it gets
+worse as connections age (8.1, 8.9, 9.7, 9.9 s in four rounds). Each pair of peers shares one TCP connection, and
+libp2p's stream-muxer window updates for one direction queue behind the kernel's send buffer of bulk data going
+the other way; the buffer autotunes up to 4 MiB (``tcp_wmem``), that is seconds at 12.5 Mbit/s. Raw TCP both ways
+at once on the same links takes 6.76 s (6.4 s nominal). With the peers' send buffers capped at 64 KiB
+(``--peer-sndbuf-kib 64``, a host setting) the same rounds take 7.0-7.7 s and no longer degrade;
+``tcp_notsent_lowat`` alone does not help. A cap that small only suits these links, which have no propagation
+delay: on a real path it would cap a TCP flow at 64 KiB per round trip. The fix belongs in the transport.
+
 The bench needs root (namespaces); without it, it writes one "skipped" entry and exits 0. It talks only to
 addresses inside the namespaces it creates, and removes them, and every process it started, even on Ctrl-C.
 """
@@ -115,6 +129,7 @@ class Settings:
 
     queue_ms: float = QUEUE_MS
     part_bytes: int = PART_BYTES
+    sndbuf_bytes: int | None = None  # cap on the peers' TCP send buffers (tcp_wmem max); None: the kernel default
 
 
 # --- network namespaces ------------------------------------------------------------------------------------------
@@ -127,7 +142,7 @@ def sh(*args: str) -> None:
 class Star:
     """A bridge namespace and one namespace per peer, shaped with tbf; ``close`` removes all of it."""
 
-    def __init__(self, links: Sequence[Link], queue_ms: float) -> None:
+    def __init__(self, links: Sequence[Link], queue_ms: float, sndbuf_bytes: int | None = None) -> None:
         self.prefix = f"dedloc-emu-{os.getpid()}-"
         self.bridge = self.prefix + "br"
         self.peers = [f"{self.prefix}p{i}" for i in range(len(links))]
@@ -147,6 +162,9 @@ class Star:
                 sh("ip", "-n", ns, "route", "replace", f"{SUBNET}.0/24", "dev", "eth0", "congctl", "cubic")
                 sh("ip", "-n", ns, "route", "replace", "table", "local", "local", self.ip(i), "dev", "eth0",
                    "proto", "kernel", "scope", "host", "src", self.ip(i), "congctl", "cubic")
+                if sndbuf_bytes:  # a host setting of the peer, not of the link (see the module doc)
+                    sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
+                       f"net.ipv4.tcp_wmem=4096 16384 {sndbuf_bytes}")
                 shape(ns, "eth0", link.up, queue_ms)  # upload: what leaves the peer
                 shape(self.bridge, f"vp{i}", link.down, queue_ms)  # download: what the bridge hands to the peer
         except BaseException:
@@ -374,7 +392,7 @@ def run_profile(name: str, profile: Profile, rounds: int, vector_bytes: int, net
     """Every mode, ``rounds`` times interleaved, on fresh namespaces; returns the result row."""
     from app.planner import PeerProfile, lower_bound_seconds, plan_averaging
 
-    star, peers = Star(profile.links, net.queue_ms), []
+    star, peers = Star(profile.links, net.queue_ms, net.sndbuf_bytes), []
     try:
         peers, ids = start_peers(star, profile, vector_bytes // 4, net.part_bytes, logs, name)
         planned = [PeerProfile(peer, 1.0, link.up * MBIT, link.down * MBIT, client_mode=link.client)
@@ -395,7 +413,8 @@ def run_profile(name: str, profile: Profile, rounds: int, vector_bytes: int, net
         congestion: dict[str, int] = {}
         seed = 1
         for r in range(rounds):
-            for mode in modes:
+            # each round starts one mode further on, so that every mode follows every other equally often
+            for mode in modes[r % len(modes):] + modes[:r % len(modes)]:
                 for _ in range(1 + RETRIES):
                     seed += len(peers)
                     outcome, replies, why = run_round(peers, commands[mode], seed)
@@ -415,7 +434,8 @@ def run_profile(name: str, profile: Profile, rounds: int, vector_bytes: int, net
             print(f"  round {r + 1}/{rounds}: {done} s", flush=True)
         row = result_row(name, profile, vector_bytes, rounds, seconds, failed, fractions, planned, plan,
                          lower_bound_seconds(planned, vector_bytes))
-        row.update(queue_ms=net.queue_ms, part_bytes=net.part_bytes, tcp_congestion=congestion)
+        row.update(queue_ms=net.queue_ms, part_bytes=net.part_bytes, tcp_congestion=congestion,
+                   peer_tcp_wmem_max=net.sndbuf_bytes)
         return row
     finally:
         with signals_ignored():
@@ -519,6 +539,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--queue-ms", type=float, default=QUEUE_MS, help=f"tbf queue, ms (default {QUEUE_MS:g})")
     parser.add_argument("--part-kib", type=int, default=PART_BYTES // 1024,
                         help=f"hivemind's part_size_bytes, KiB, for every mode (default {PART_BYTES // 1024})")
+    parser.add_argument("--peer-sndbuf-kib", type=int, help="cap the peers' TCP send buffers at this many KiB "
+                        "(tcp_wmem max, a host setting; default: the kernel's own autotuning, up to 4 MiB)")
     parser.add_argument("--quick", action="store_true", help="one 4 x 100 Mbit/s round of a 1 MB vector (tests)")
     parser.add_argument("--logs", type=Path, help="keep the peers' logs here (default: a temporary folder, "
                         "removed unless a round failed)")
@@ -538,7 +560,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = [("quick-4x100", QUICK, 1, QUICK_VECTOR_BYTES)] if args.quick else [
             (name, PROFILES[name], args.rounds, VECTOR_BYTES) for name in args.profile or PROFILES]
         try:
-            rows = run_all(jobs, Settings(args.queue_ms, args.part_kib * 1024), args.logs)
+            rows = run_all(jobs, Settings(args.queue_ms, args.part_kib * 1024,
+                                                  args.peer_sndbuf_kib and args.peer_sndbuf_kib * 1024), args.logs)
         except KeyboardInterrupt:
             print("interrupted: the namespaces and peer processes of this run are removed")
             return 130

@@ -17,6 +17,16 @@ from app.db import make_engine, make_sessionmaker, migrate
 from tests.harness import Deployment, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
+HEAVY_MODULES = {"test_averaging_plan", "test_bench_emulation"}  # hivemind peers, though not a whole swarm
+
+
+def pytest_collection_modifyitems(items):
+    """Tests that run hivemind peers go one after another on one xdist worker (they need the CPU to themselves
+    more than they need company: round formation and the liars' ceiling depend on it); the rest, the portal's and
+    the database's tests, run beside them on the other worker (`-n 2 --dist loadgroup` in pyproject.toml)."""
+    for item in items:
+        if item.get_closest_marker("swarm") or item.module.__name__.rsplit(".", 1)[-1] in HEAVY_MODULES:
+            item.add_marker(pytest.mark.xdist_group("hivemind"))
 
 
 @pytest.fixture(scope="session")

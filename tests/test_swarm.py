@@ -97,10 +97,12 @@ def test_three_workers_follow_the_plan_average_exactly_and_every_sample_is_credi
     first, last = epoch_losses(deployment, "alice")[0], epoch_losses(deployment, "carol")[-1]
     assert last < first, f"the loss did not fall: {first} -> {last}"
 
-    # The plan: published, naming everyone with a measured link.
+    # The plan: published, naming everyone with a measured link while all three trained (the current one may name
+    # fewer: the coordinator re-plans at once when a named peer leaves, and the workers leave one by one).
+    roles = [{peer["username"]: peer["role"] for peer in plan} for plan in deployment.plans()]
+    assert {"alice": "aggregator", "bob": "aggregator", "carol": "aggregator"} in roles, roles
     plan = deployment.get(f"/api/v1/runs/{deployment.slug}/plan")
-    roles = {peer["username"]: peer["role"] for peer in plan["peers"]}
-    assert roles == {"alice": "aggregator", "bob": "aggregator", "carol": "aggregator"}, plan
+    assert {peer["username"] for peer in plan["peers"]} <= set(workers), plan
     assert abs(sum(peer["share"] for peer in plan["peers"]) - 1) < 1e-6 and plan["predicted_seconds"] > 0
     # Rounds under the plan averaged exactly: every result is the samples-weighted mean of the inputs.
     written = [torch.load(path) for path in rounds.glob("*.pt")]

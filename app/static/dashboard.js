@@ -85,7 +85,9 @@
     plan.hidden = !p;
     document.getElementById("no-plan").hidden = !!p;
     if (!p) return;
-    const secs = (v) => (v === null ? "not yet" : v.toFixed(2) + " s");
+    // The rule of the duration macro in templates/_plan.html: milliseconds below a second.
+    const secs = (v) => (v === null ? "not yet" : v < 0.01 ? (1000 * v).toFixed(1) + " ms"
+                         : v < 1 ? (1000 * v).toFixed(0) + " ms" : v.toFixed(2) + " s");
     document.getElementById("plan-predicted").textContent = secs(p.predicted_seconds);
     document.getElementById("plan-measured").textContent = secs(p.measured_seconds);
     document.getElementById("plan-lower-bound").textContent = secs(p.lower_bound_seconds);
