@@ -71,6 +71,8 @@ def _ratio(numerator, denominator) -> str:
 
 def _notes(row: dict) -> str:
     notes = [row[key] for key in ("skipped", "note", "ring_note") if row.get(key)]
+    if row.get("planner_live") and row["planner_live"] != row.get("planner"):
+        notes.append(f"live plan (each sender aggregates whole parts, for attestation): {row['planner_live']:.3f} s")
     if row["mode"] == "emu" and "failed_rounds" in row:
         failed = {mode: sum(kinds.values()) for mode, kinds in row["failed_rounds"].items()}
         notes.append(f"{row['rounds']} rounds; tbf queue {row['queue_ms']:g} ms; {row['part_bytes'] // 1024} KiB parts")

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import numpy as np
 
+from app.coordinator.planning import attestation_floor
 from app.planner import (
     PeerProfile,
     byteps_seconds,
@@ -97,6 +98,9 @@ def simulate_profile(name: str, peers: Sequence[PeerProfile], vector_bytes: floa
         # what a hivemind that did not hold back zero-share peers would allow (it matters for client-mode peers)
         "planner_no_hold_back": plan_averaging(peers, vector_bytes, hold_back=False).predicted_seconds,
         "lower_bound_no_hold_back": lower_bound_seconds(peers, vector_bytes, hold_back=False),
+        # the coordinator's live plan: every sender gets whole parts to aggregate, so that it can attest the others
+        "planner_live": plan_averaging(
+            peers, vector_bytes, min_share=attestation_floor(list(peers), vector_bytes)).predicted_seconds,
     }
     row: dict = {"profile": name, "mode": "sim", "peers": len(peers), "vector_bytes": int(vector_bytes)}
     row.update({key: _rounded(value) for key, value in seconds.items()})

@@ -29,6 +29,25 @@ def pytest_collection_modifyitems(items):
             item.add_marker(pytest.mark.xdist_group("hivemind"))
 
 
+@pytest.fixture(autouse=True)
+def _yield_the_cpu_to_hivemind(request):
+    """The other tests run at a low priority (nice 15) beside the hivemind ones, and so does whatever they start.
+
+    Measured on 2 cores: side by side at equal priority the swarm tests slowed from 44-79 s to 108-133 s each.
+    Only root can raise the priority back afterwards; elsewhere the tests run as they are.
+    """
+    hivemind = request.node.get_closest_marker("xdist_group") is not None
+    if hivemind or os.geteuid() != 0:
+        yield
+        return
+    before = os.getpriority(os.PRIO_PROCESS, 0)
+    os.setpriority(os.PRIO_PROCESS, 0, 15)
+    try:
+        yield
+    finally:
+        os.setpriority(os.PRIO_PROCESS, 0, before)
+
+
 @pytest.fixture(scope="session")
 def output_dir() -> Path:
     """Where tests leave what a person may want to look at: screenshots, process logs."""

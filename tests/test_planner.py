@@ -266,3 +266,18 @@ def test_bench_writes_one_profile_as_json(tmp_path, capsys):
     assert row["ring_over_planner"] == pytest.approx(row["ring"] / row["planner"], rel=1e-5)
     assert row["ring_over_planner"] > 1.8
     assert "mixed-8x1G-8x100M" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("vector_bytes", [100e6, 548_352])  # a 100 MB model; the swarm tests' 0.5 MB one
+def test_a_live_plan_gives_every_sender_parts_of_the_others_and_little_more(vector_bytes):
+    """The coordinator's floor: enough of the vector that each sender aggregates whole parts (so it sees, and can
+    attest, the others' weights), and on a large model so little that the plan stays near the bound."""
+    from app.coordinator.planning import ATTESTATION_PARTS, PART_BYTES, attestation_floor
+
+    peers = [peer("fast", 100)] + [peer(f"slow{i}", 12.5) for i in range(3)]
+    plan = plan_averaging(peers, vector_bytes, min_share=attestation_floor(peers, vector_bytes))
+    least = min(plan.shares.values())
+    assert least * vector_bytes >= min(ATTESTATION_PARTS * PART_BYTES, vector_bytes / 8) * (1 - 1e-9)
+    if vector_bytes >= 50 * ATTESTATION_PARTS * PART_BYTES:
+        assert plan.predicted_seconds <= 1.03 * plan.lower_bound_seconds, plan
+        assert least < 0.02

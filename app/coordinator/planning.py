@@ -9,6 +9,7 @@ peers report under it are kept beside it as the measured figure.
 
 from __future__ import annotations
 
+import functools
 import logging
 import statistics
 import time
@@ -25,16 +26,24 @@ from ..models import AveragingPlanRow, Run
 from ..planner import PeerProfile, Plan, PlanningError, Replanner
 
 logger = logging.getLogger("dedloc.coordinator")
-# Share of the vector the live plan spreads evenly over the senders. hivemind hands out whole parts (a tensor, or
-# 512 KiB of one), so a peer with a sliver of the vector aggregates no part at all; then nobody sees the main
-# aggregator's weight and its samples cannot be attested (held "alone", seen with a 99.9% / 0.03% / 0.03% plan).
-# With half the vector spread evenly, every sender aggregates parts of the others.
+# Share of the vector the live plan spreads evenly over the senders, at most. hivemind hands out whole parts (a
+# tensor, or 512 KiB of one), so a peer with a sliver of the vector aggregates no part at all; then nobody sees the
+# main aggregator's weight and its samples cannot be attested (held "alone", seen with a 99.9% / 0.03% / 0.03%
+# plan). Each sender is given ATTESTATION_PARTS parts' worth, or its even slice of ATTESTATION_SHARE where the
+# vector is too small for that (a test model of 0.5 MB: one part is all of it).
 ATTESTATION_SHARE = 0.5
+ATTESTATION_PARTS = 2
+PART_BYTES = 2**19  # hivemind's part_size_bytes, which the worker keeps
 
 
-def attestation_floor(peers: list[PeerProfile]) -> float:
-    """Each sender that may aggregate gets at least this fraction of the vector (``ATTESTATION_SHARE`` spread)."""
-    return ATTESTATION_SHARE / max(sum(1 for p in peers if p.sends and p.can_aggregate), 1)
+def attestation_floor(peers: list[PeerProfile], vector_bytes: float) -> float:
+    """The least share of the vector each sender that may aggregate gets in a live plan (see ATTESTATION_SHARE).
+
+    On a 100 MB model that is 1% each (near-optimal plans stay near-optimal); on a model of a few parts, half the
+    vector spread evenly.
+    """
+    senders = max(sum(1 for p in peers if p.sends and p.can_aggregate), 1)
+    return min(ATTESTATION_SHARE / senders, ATTESTATION_PARTS * PART_BYTES / vector_bytes)
 
 
 @dataclass(frozen=True)
@@ -76,7 +85,8 @@ class PlanKeeper:
         if len(profiles) >= 2 and vector_bytes > 0:
             if vector_bytes != self.vector_bytes:  # a new task or model: old plans say nothing about it
                 self.replanner = Replanner(vector_bytes=vector_bytes, clock=self.clock,
-                                           min_interval_s=self.min_interval_s, min_share=attestation_floor)
+                                           min_interval_s=self.min_interval_s,
+                                           min_share=functools.partial(attestation_floor, vector_bytes=vector_bytes))
                 self.vector_bytes = vector_bytes
             try:
                 plan = self.replanner.update(profiles)
