@@ -35,14 +35,15 @@ so each round starts one mode further on: every mode follows every other equally
 followed hivemind's split and measured 10.0 s on 400 + 3 x 50 where, in its own rounds, it measured 7.1-8.7 s.)
 
 Why hivemind's rounds run slower than the links (measured on 400 + 3 x 50, planner's split; per-0.25 s byte
-counters of each tbf): a slow peer's upload and download take turns instead of running together, and it gets
-worse as connections age (8.1, 8.9, 9.7, 9.9 s in four rounds). Each pair of peers shares one TCP connection, and
-libp2p's stream-muxer window updates for one direction queue behind the kernel's send buffer of bulk data going
-the other way; the buffer autotunes up to 4 MiB (``tcp_wmem``), that is seconds at 12.5 Mbit/s. Raw TCP both ways
-at once on the same links takes 6.76 s (6.4 s nominal). With the peers' send buffers capped at 64 KiB
-(``--peer-sndbuf-kib 64``, a host setting) the same rounds take 7.0-7.7 s and no longer degrade;
-``tcp_notsent_lowat`` alone does not help. A cap that small only suits these links, which have no propagation
-delay: on a real path it would cap a TCP flow at 64 KiB per round trip. The fix belongs in the transport.
+counters of each tbf; CPU 10-20% busy): in slow rounds a slow peer's upload and download take turns instead of
+running together, and rounds get slower as connections age (8.1, 8.9, 9.7, 9.9 s in four rounds alternating with
+hivemind's split). Raw TCP both ways at once on the same links takes 6.76 s (6.4 s nominal). Each pair of peers
+shares one TCP connection, and the likely cause is the stream muxer's window updates for one direction queueing
+behind bulk data going the other way: with the peers' send buffers capped at 64 KiB (``--peer-sndbuf-kib 64``, a
+host setting; the kernel autotunes up to 4 MiB) planner rounds alternating with hivemind's split took 7.0-7.7 s
+and no longer slowed down, and ``tcp_notsent_lowat`` alone did not help. But in this bench's full rotation (gloo
+and equal-split rounds too) the same cap left the planner at 9.9-11.4 s (3 rounds): the cause is not pinned down.
+A cap that small would only suit links without propagation delay anyway; the fix belongs in the transport.
 
 The bench needs root (namespaces); without it, it writes one "skipped" entry and exits 0. It talks only to
 addresses inside the namespaces it creates, and removes them, and every process it started, even on Ctrl-C.

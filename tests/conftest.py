@@ -17,15 +17,19 @@ from app.db import make_engine, make_sessionmaker, migrate
 from tests.harness import Deployment, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-HEAVY_MODULES = {"test_averaging_plan", "test_bench_emulation"}  # hivemind peers, though not a whole swarm
+# hivemind peers though not a whole swarm, or processes that import torch: they take a core each while they run
+HEAVY_MODULES = {"test_averaging_plan", "test_bench_emulation", "test_cli"}
+HEAVY_TESTS = ("never_imports",)  # test_api's import checks start fresh interpreters
 
 
 def pytest_collection_modifyitems(items):
-    """Tests that run hivemind peers go one after another on one xdist worker (they need the CPU to themselves
-    more than they need company: round formation and the liars' ceiling depend on it); the rest, the portal's and
-    the database's tests, run beside them on the other worker (`-n 2 --dist loadgroup` in pyproject.toml)."""
+    """Tests that run hivemind peers or start heavy processes go one after another on one xdist worker (they need
+    the CPU more than company: round formation and the liars' ceiling depend on it); the rest, the portal's and the
+    database's tests in-process, run beside them on the other worker (`-n 2 --dist loadgroup` in pyproject.toml).
+    """
     for item in items:
-        if item.get_closest_marker("swarm") or item.module.__name__.rsplit(".", 1)[-1] in HEAVY_MODULES:
+        module = item.module.__name__.rsplit(".", 1)[-1]
+        if item.get_closest_marker("swarm") or module in HEAVY_MODULES or any(t in item.name for t in HEAVY_TESTS):
             item.add_marker(pytest.mark.xdist_group("hivemind"))
 
 
