@@ -22,7 +22,9 @@ raised, that hivemind flagged (its "received X% results" warning, or parts missi
 is wrong is a failed round: counted by kind, left out of the median, and retried up to twice. (hivemind 1.1.12
 now and then loses the last part of a stream: in the logs, the aggregator's p2pd resets the stream as the handler
 closes it, before the sender has read the part.)
-``lower_bound`` is ``app.planner.lower_bound_seconds`` for the nominal link rates (hold-back included).
+``lower_bound`` is ``app.planner.lower_bound_seconds`` for the nominal link rates, without hold-back: the planner's
+groups run ``StreamingAllReduceRunner``, which returns results to zero-share and client-mode peers while they
+upload, so the bound is the links' own (equal and hivemind, plain hivemind, still hold back).
 
 Two settings, the same for every mode and written into every row: tbf queues of ``--queue-ms`` (20 ms at the
 link's rate, a 16 KB bucket) and hivemind parts of ``--part-kib`` (128 KiB; hivemind's default is 512 KiB, with
@@ -398,7 +400,7 @@ def run_profile(name: str, profile: Profile, rounds: int, vector_bytes: int, net
         peers, ids = start_peers(star, profile, vector_bytes // 4, net.part_bytes, logs, name)
         planned = [PeerProfile(peer, 1.0, link.up * MBIT, link.down * MBIT, client_mode=link.client)
                    for peer, link in zip(ids, profile.links)]
-        plan = plan_averaging(planned, vector_bytes)
+        plan = plan_averaging(planned, vector_bytes, hold_back=False)  # planned groups stream: no hold-back
         commands = {
             "ring": [dict(cmd="ring")] * len(peers),
             "equal": [dict(cmd="average")] * len(peers),
@@ -434,7 +436,7 @@ def run_profile(name: str, profile: Profile, rounds: int, vector_bytes: int, net
             done = ", ".join(f"{mode} {seconds[mode][-1]:.2f}" for mode in modes if len(seconds[mode]) > 0)
             print(f"  round {r + 1}/{rounds}: {done} s", flush=True)
         row = result_row(name, profile, vector_bytes, rounds, seconds, failed, fractions, planned, plan,
-                         lower_bound_seconds(planned, vector_bytes))
+                         lower_bound_seconds(planned, vector_bytes, hold_back=False))
         row.update(queue_ms=net.queue_ms, part_bytes=net.part_bytes, tcp_congestion=congestion,
                    peer_tcp_wmem_max=net.sndbuf_bytes)
         return row

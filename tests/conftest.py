@@ -17,44 +17,6 @@ from app.db import make_engine, make_sessionmaker, migrate
 from tests.harness import Deployment, free_port
 
 ROOT = Path(__file__).resolve().parent.parent
-# hivemind peers though not a whole swarm, or processes that import torch: they take a core each while they run
-HEAVY_MODULES = {"test_averaging_plan", "test_bench_emulation", "test_cli"}
-HEAVY_TESTS = ("never_imports",)  # test_api's import checks start fresh interpreters
-
-
-def pytest_collection_modifyitems(items):
-    """Tests that run hivemind peers or start heavy processes go one after another on one xdist worker (they need
-    the CPU more than company: round formation and the liars' ceiling depend on it); the rest, the portal's and the
-    database's tests in-process, run beside them on the other worker (`-n 2 --dist loadgroup` in pyproject.toml).
-    """
-    for item in items:
-        module = item.module.__name__.rsplit(".", 1)[-1]
-        if item.get_closest_marker("swarm") or module in HEAVY_MODULES or any(t in item.name for t in HEAVY_TESTS):
-            item.add_marker(pytest.mark.xdist_group("hivemind"))
-
-
-@pytest.fixture(autouse=True)
-def _yield_the_cpu_to_hivemind(request):
-    """The other tests run at a low priority beside the hivemind ones, and so does whatever they start.
-
-    Measured on 2 cores: side by side at equal priority the swarm tests slowed from 44-79 s to 108-133 s each, and
-    a process's own nice value did not help: with the kernel's autogroups (``sched_autogroup_enabled``) CPU is
-    shared between sessions first, and the swarm's processes each run in a session of their own. So this lowers
-    the priority of this test's whole session (``/proc/self/autogroup``, which needs root; elsewhere the tests run
-    as they are), and of the process itself for what it starts in its own session.
-    """
-    autogroup = Path("/proc/self/autogroup")
-    if request.node.get_closest_marker("xdist_group") is not None or os.geteuid() != 0 or not autogroup.exists():
-        yield
-        return
-    before = os.getpriority(os.PRIO_PROCESS, 0), re.search(r"nice (-?\d+)", autogroup.read_text()).group(1)
-    os.setpriority(os.PRIO_PROCESS, 0, 15)
-    autogroup.write_text("15")
-    try:
-        yield
-    finally:
-        autogroup.write_text(before[1])
-        os.setpriority(os.PRIO_PROCESS, 0, before[0])
 
 
 @pytest.fixture(scope="session")

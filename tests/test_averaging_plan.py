@@ -100,14 +100,16 @@ def test_a_client_mode_peer_leaves_the_planners_split_balanced():
 # sha256 of inspect.getsource(DecentralizedAverager._aggregate_with_group) in hivemind 1.1.12: the method
 # PlannedAverager replaces. If this changes, re-read hivemind's version and port the change to averaging.py.
 AGGREGATE_WITH_GROUP_SHA256 = "c297d8a435ce2b1c0ca36b8e6bc318a23b1c696ef1624dabc654cee803650868"
+# ... and of _run_allreduce_inplace_, which PlannedAverager copies with the runner's class as a parameter
+RUN_ALLREDUCE_INPLACE_SHA256 = "914d57cffc7d69e1ce16b384f3fc0783fbbf08b7fa839634da9571f9c4143925"
 
 
 def test_hivemind_internals_are_those_the_planned_averager_was_written_against():
     assert hivemind.__version__ == "1.1.12"
     replaced = inspect.getsource(DecentralizedAverager._aggregate_with_group)
     assert hashlib.sha256(replaced.encode()).hexdigest() == AGGREGATE_WITH_GROUP_SHA256
-    assert list(inspect.signature(DecentralizedAverager._run_allreduce_inplace_).parameters) == [
-        "self", "tensors", "group_info", "group_id", "kwargs"]
+    copied = inspect.getsource(DecentralizedAverager._run_allreduce_inplace_)
+    assert hashlib.sha256(copied.encode()).hexdigest() == RUN_ALLREDUCE_INPLACE_SHA256
     # what each peer announces, and how step hands it to matchmaking
     assert "[self.bandwidth, self.mode.value, user_data_for_gather]" in inspect.getsource(DecentralizedAverager.step)
     assert "self._running_groups[group_id].set_result(runner)" in inspect.getsource(
@@ -115,6 +117,9 @@ def test_hivemind_internals_are_those_the_planned_averager_was_written_against()
     # hold-back of zero-fraction peers, and the runner attributes read after a round
     assert "self.peer_fractions[self.ordered_peer_ids.index(peer_id)] == 0" in inspect.getsource(
         AllReduceRunner.should_delay_results)
+    # both ends of a stream ask it (so StreamingAllReduceRunner only runs where every member uses it)
+    assert "self.should_delay_results(self.peer_id)" in inspect.getsource(AllReduceRunner._communicate_with_peer)
+    assert "self.should_delay_results(context.remote_id)" in inspect.getsource(AllReduceRunner.rpc_aggregate_part)
     runner_init = inspect.getsource(AllReduceRunner.__init__)
     for attribute in ("self.parts_for_local_averaging", "self.tensor_part_container", "self.tensor_part_reducer"):
         assert attribute in runner_init
@@ -225,7 +230,8 @@ def test_a_plan_splits_the_vector_as_given_and_keeps_the_exact_weighted_mean(thr
         torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
     for peer, share in plan.items():
         record: RoundRecord = records[peer]
-        assert record.planned and record.complete, record
+        # a planned group streams results to its zero-share peer too (no hold-back), and the mean stays exact
+        assert record.planned and record.complete and record.streamed, record
         assert dict(zip(record.peer_ids, record.fractions)) == pytest.approx(plan)
         # the shares fall on part boundaries here, so hivemind's part-wise split hits them to the element
         assert abs(record.aggregated_elements - share * ELEMENTS) <= 1, (peer, record.aggregated_elements)
@@ -248,5 +254,5 @@ def test_peers_the_plan_does_not_name_and_no_plan_at_all_fall_back_to_hivemind(t
     expected, results, records = average_once(three_averagers, weights=(1.0, 1.0, 1.0), seed=8)
     for result in results:
         torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
-    assert not records[first].planned
+    assert not records[first].planned and not records[first].streamed  # hivemind's runner, hold-back included
     assert records[first].fractions == pytest.approx([1 / 3] * 3, abs=1 / ELEMENTS)

@@ -84,7 +84,8 @@ class PlanKeeper:
         vector_bytes = max((peer.link.vector_bytes for peer in peers), default=0)
         if len(profiles) >= 2 and vector_bytes > 0:
             if vector_bytes != self.vector_bytes:  # a new task or model: old plans say nothing about it
-                self.replanner = Replanner(vector_bytes=vector_bytes, clock=self.clock,
+                # hold_back=False: the workers' averager streams results to zero-share peers in planned groups
+                self.replanner = Replanner(vector_bytes=vector_bytes, clock=self.clock, hold_back=False,
                                            min_interval_s=self.min_interval_s,
                                            min_share=functools.partial(attestation_floor, vector_bytes=vector_bytes))
                 self.vector_bytes = vector_bytes

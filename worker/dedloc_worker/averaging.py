@@ -20,15 +20,17 @@ Trust: a member can announce any share, as it can announce any bandwidth to hive
 peer claiming a huge bandwidth the whole vector). Checking announced shares against the coordinator's signed plan
 is left to the code that fetches the plan.
 
-Hold-back: hivemind returns averaged parts to a peer whose fraction is exactly zero only after that peer has
-finished uploading (``AllReduceRunner.should_delay_results``). A planned share that is tiny but not zero keeps a
-peer on the parallel path even when it rounds to no part at all (parts are ``part_size_bytes`` long); the planner
-gives every sender such a floor share for that reason.
+Hold-back: hivemind returns averaged parts to a peer whose fraction is exactly zero (a client-mode peer, or one
+the split gives nothing) only after that peer has finished uploading (``AllReduceRunner.should_delay_results``),
+so it pays upload plus download in sequence. Planned groups run ``StreamingAllReduceRunner``, which streams
+results to every peer at once; groups without a plan, or with a member that is not a ``PlannedAverager``, keep
+hivemind's runner, hold-back included (both ends of a stream must agree on it).
 
 hivemind internals relied on (``tests/test_averaging_plan.py`` pins each, so that an upgrade fails loudly):
 ``DecentralizedAverager.step`` sending ``[bandwidth, mode, gather]`` as each peer's metadata;
-``_aggregate_with_group(group_info, min_vector_size, **kwargs)`` (replaced here) calling
-``_run_allreduce_inplace_(tensors, group_info, peer_fractions=...)``; the runner kept in
+``_aggregate_with_group(group_info, min_vector_size, **kwargs)`` (replaced here) and
+``_run_allreduce_inplace_`` (copied here with the runner's class as a parameter); both ends of a stream asking
+``should_delay_results``; the runner kept in
 ``_running_groups[group_id]`` until the step ends; ``AllReduceRunner.parts_for_local_averaging``,
 ``tensor_part_container.failed_size`` and ``tensor_part_reducer.num_parts_received``; the control pipe
 (``_outer_pipe``) that runs ``_get_last_round`` in the averager's process.
@@ -43,18 +45,20 @@ from dataclasses import dataclass
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.allreduce import AveragingMode
+from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.optim.grad_averager import GradientAverager
-from hivemind.utils import MPFuture, get_logger
-from hivemind.utils.asyncio import enter_asynchronously
+from hivemind.utils import MPFuture, get_dht_time, get_logger
+from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
 
 logger = get_logger(__name__)
 
-PLAN_MARKER = "dedloc.plan/1"
-"""First item of the metadata a ``PlannedAverager`` announces; peers without it are not ``PlannedAverager``s."""
+PLAN_MARKER = "dedloc.plan/2"
+"""First item of the metadata a ``PlannedAverager`` announces; peers without it are not ``PlannedAverager``s.
+Version 2: in a planned group, results stream to zero-share peers while they upload (``StreamingAllReduceRunner``);
+a version 1 peer counts as foreign, so a mixed group runs hivemind's split and hold-back unchanged."""
 
 
 def planned_fractions(
@@ -114,6 +118,7 @@ class RoundRecord:
       warns "received X% results"); 0 in a complete round
     :param missing_inputs: parts this peer, as an aggregator, never received from a sender; 0 in a complete round
     :param error: why the all-reduce failed, or None
+    :param streamed: whether results went back to zero-share peers while they uploaded (no hold-back)
     """
 
     peer_ids: List[str]
@@ -126,6 +131,7 @@ class RoundRecord:
     failed_elements: int = 0
     missing_inputs: int = 0
     error: Optional[str] = None
+    streamed: bool = False
 
     @property
     def seconds(self) -> float:
@@ -136,6 +142,20 @@ class RoundRecord:
     def complete(self) -> bool:
         """Whether every part was aggregated and returned."""
         return self.error is None and self.failed_elements == 0 and self.missing_inputs == 0
+
+
+class StreamingAllReduceRunner(AllReduceRunner):
+    """hivemind's all-reduce without the hold-back: averaged parts go back to every peer as they are ready.
+
+    hivemind returns results to a peer whose fraction is zero (a client-mode peer, or one the split gives nothing)
+    only after that peer has finished uploading, so such a peer pays upload plus download in sequence; on a
+    full-duplex link it can do both at once (the planner's model for planned groups: ``hold_back=False``). Both
+    ends of a stream consult ``should_delay_results``, so every member of a group must use the same runner: only
+    planned groups, in which every member announced ``PLAN_MARKER``, use this one.
+    """
+
+    def should_delay_results(self, peer_id) -> bool:
+        return False
 
 
 class PlannedAverager(DecentralizedAverager):
@@ -200,7 +220,9 @@ class PlannedAverager(DecentralizedAverager):
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 record.began = time.time()
                 try:
-                    await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions, **kwargs)
+                    runner_type = StreamingAllReduceRunner if record.planned else AllReduceRunner
+                    await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions,
+                                                       runner_type=runner_type, **kwargs)
                 except BaseException as e:
                     record.error = repr(e)
                     raise
@@ -213,12 +235,34 @@ class PlannedAverager(DecentralizedAverager):
                 logger.exception(e)
             raise MatchmakingException(f"Unable to run All-Reduce: {e}")
 
+    async def _run_allreduce_inplace_(
+        self, tensors, group_info: GroupInfo, group_id: Optional[bytes] = None,
+        runner_type: type = AllReduceRunner, **kwargs: Any
+    ) -> None:
+        """hivemind's ``_run_allreduce_inplace_`` with the runner's class as a parameter (the rest as in 1.1.12)."""
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = runner_type(
+            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids, **kwargs,
+        )
+        assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
+            async for tensor, update in azip(as_aiter(*tensors), runner):
+                tensor.add_(update, alpha=self._averaging_alpha)
+                self.last_updated = get_dht_time()
+                self._state_updated.set()
+        else:
+            async for _ in runner:
+                raise ValueError("aux peers should not receive averaged tensors")
+
     def _note_runner(self, record: RoundRecord, group_info: GroupInfo) -> None:
         """Copy what the finished ``AllReduceRunner`` knows into ``record`` (the runner is gone after the step)."""
         future = self._running_groups.get(group_info.group_id)
         if future is None or not future.done() or future.cancelled() or future.exception() is not None:
             return
         runner = future.result()
+        record.streamed = isinstance(runner, StreamingAllReduceRunner)
         record.aggregated_elements = sum(part.numel() for part in runner.parts_for_local_averaging)
         record.failed_elements = int(runner.tensor_part_container.failed_size)
         reducer = runner.tensor_part_reducer
