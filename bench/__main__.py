@@ -47,7 +47,9 @@ def markdown_table(rows: Sequence[dict]) -> str:
         "Written by `make bench` (`python -m bench`). `sim`: the round model of `app.planner` on 16-20 peers and a",
         "100 MB vector. `emu`: real hivemind rounds between four network namespaces on `tc tbf` links, a 10 MB",
         "vector, the median of the rounds that passed the check against the true mean (`ring` is gloo's",
-        "all-reduce there). `lower bound`: `app.planner.lower_bound_seconds` for the nominal link rates.",
+        "all-reduce there). `lower bound`: `app.planner.lower_bound_seconds` for the nominal link rates, without",
+        "hold-back: the planner's groups return results to zero-share and client-mode peers while they upload (plain",
+        "hivemind, in the `equal` and `hivemind` columns, holds them back until the upload ends).",
         "",
         "| profile | mode | ring | equal | hivemind | planner | lower bound | ring / planner | planner / bound "
         "| planner / equal | notes |",
