@@ -227,6 +227,21 @@ def test_replanner_waits_for_the_interval_before_planning_for_a_new_peer():
     assert plan is not None and plan.shares["newcomer"] > 0
 
 
+def test_replanner_names_a_newcomer_after_the_interval_even_when_the_plan_would_not_be_faster():
+    clock = FakeClock()
+    # a slow newcomer paces the round whatever the split, and without hold-back a zero share costs it nothing
+    # extra: the old plan is as fast as a new one, but it does not name the newcomer
+    replanner = Replanner(vector_bytes=V, clock=clock, min_interval_s=30, hold_back=False)
+    equal = [peer(f"p{i}", 100) for i in range(3)]
+    replanner.update(equal)
+    grown = equal + [peer("newcomer", 10)]
+    clock.now += 31
+    plan = replanner.update(grown)
+    assert plan is not None and "newcomer" in plan.shares, replanner.last_reason
+    clock.now += 31
+    assert replanner.update(grown) is None  # and then it is kept: same peers
+
+
 def test_replanner_replaces_a_plan_naming_a_departed_peer_at_once():
     clock = FakeClock()
     replanner = Replanner(vector_bytes=V, clock=clock, min_interval_s=3600)

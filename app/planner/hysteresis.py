@@ -69,6 +69,10 @@ class Replanner:
         if self._clock() - self._solved_at < self._min_interval_s:
             return self._keep("peers changed, but the last plan is too recent")
         candidate = self._solve(peers, key)
+        if any(p.peer not in self._current.shares for p in peers):
+            # the plan does not name a peer that is here: its averager falls back to hivemind's own fraction for
+            # it, which the model does not describe, and it gets no attestation floor; however small the gain
+            return self._publish(candidate, "a peer the plan does not name joined")
         if self._improves(candidate, peers):
             return self._publish(candidate, "new plan is faster by more than the threshold")
         return self._keep("new plan is not faster by more than the threshold")
