@@ -563,8 +563,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         jobs = [("quick-4x100", QUICK, 1, QUICK_VECTOR_BYTES)] if args.quick else [
             (name, PROFILES[name], args.rounds, VECTOR_BYTES) for name in args.profile or PROFILES]
         try:
-            rows = run_all(jobs, Settings(args.queue_ms, args.part_kib * 1024,
-                                                  args.peer_sndbuf_kib and args.peer_sndbuf_kib * 1024), args.logs)
+            sndbuf = args.peer_sndbuf_kib * 1024 if args.peer_sndbuf_kib else None
+            rows = run_all(jobs, Settings(args.queue_ms, args.part_kib * 1024, sndbuf), args.logs)
         except KeyboardInterrupt:
             print("interrupted: the namespaces and peer processes of this run are removed")
             return 130
