@@ -1,11 +1,13 @@
 """A worker patched to lie about its contribution, as a cheater would patch dedloc-worker.
 
     python tests/liar.py metrics|both <dedloc-worker arguments>
+    python tests/liar.py metrics|both tests/witness.py FOLDER <dedloc-worker arguments>   (a liar, witnessed)
 
 metrics: claims 100x its samples in its signed metrics record only.
 both:    also averages with 100x its weight, so aggregators see (and confirm) the inflated number.
 """
 
+import runpy
 import sys
 
 from dedloc_worker import cli, trainer
@@ -34,4 +36,8 @@ if mode == "both":
 
     GradientAverager.step = inflated_step
 
-cli.main(sys.argv[1:])
+if sys.argv[1].endswith(".py"):  # another wrapper goes on from here, with this one's patches in place
+    sys.argv.pop(0)
+    runpy.run_path(sys.argv[0], run_name="__main__")
+else:
+    cli.main(sys.argv[1:])

@@ -13,20 +13,27 @@ from tests.harness import wait_for
 
 pytestmark = pytest.mark.swarm
 WITNESS = Path(__file__).with_name("witness.py")
+LIAR = Path(__file__).with_name("liar.py")
 
 
 def reported_samples(deployment, username: str) -> int:
     return sum(c["samples"] for c in deployment.report(username)["contributions"])
 
 
-def is_confirmed(reports: dict[str, dict], name: str, claim: dict) -> bool:
-    """Whether another worker's report says it aggregated ``name``'s part of the claim's round with the weight
-    ``name`` claims."""
+def seen_weight(reports: dict[str, dict], name: str, claim: dict) -> int | None:
+    """The smallest weight with which another worker's report says it aggregated ``name``'s part of the claim's
+    round (None if nobody did): what the coordinator may credit of the claim."""
     peer_id = reports[name]["peer_id"]
     seen = [c["aggregated"].get(claim["group"], {}).get(peer_id) for other, report in reports.items()
             if other != name for c in report["contributions"]] if claim["group"] else []
     weights = [w for w in seen if w is not None]
-    return bool(weights) and int(min(weights)) >= claim["samples"]
+    return int(min(weights)) if weights else None
+
+
+def is_confirmed(reports: dict[str, dict], name: str, claim: dict) -> bool:
+    """Whether another worker aggregated ``name``'s part of the claim's round with the weight ``name`` claims."""
+    seen = seen_weight(reports, name, claim)
+    return seen is not None and seen >= claim["samples"]
 
 
 def confirmed_truth(deployment, usernames: list[str]) -> dict[str, tuple[int, int]]:
@@ -68,8 +75,14 @@ def weighted_mean_errors(rounds: list[dict]) -> list[float]:
     return errors
 
 
-def test_three_workers_follow_the_plan_average_exactly_and_every_sample_is_credited(deployment):
-    """The ground truth of crediting and the live averaging plan in one swarm of three workers."""
+def test_three_workers_two_of_them_liars_follow_the_plan_average_exactly_and_are_credited_what_peers_saw(deployment):
+    """The live averaging plan, the arithmetic of planned rounds and crediting against ground truth, in one swarm.
+
+    alice is honest; bob claims 100x his samples in his signed metrics record only, so the peers that aggregated
+    his parts saw his real weight; carol also averages with 100x her weight, so receipts confirm her lie and only
+    the organizer's plausibility ceiling holds it. (One swarm for all of it: each swarm costs a minute of the
+    suite's ten.)
+    """
     workers, rounds = ["alice", "bob", "carol"], deployment.workdir / "rounds"
     deployment.env["DEDLOC_PLAN_INTERVAL"] = "0"  # re-plan at each join, so the last plan names everyone
     deployment.create_run(target_batch_size=3072)  # 2048 let alice race ahead and the joiners rarely all met
@@ -79,8 +92,12 @@ def test_three_workers_follow_the_plan_average_exactly_and_every_sample_is_credi
     witness = [str(WITNESS), str(rounds)]
     deployment.start_worker("alice", "--max-epochs", "11", script=witness)
     wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")
-    for name in workers[1:]:
-        deployment.start_worker(name, "--max-epochs", "11", script=witness)
+    # The organizer's ceiling: three times what one worker does alone on this machine. Sharing two cores, each
+    # worker then runs at half to two thirds of that, so honest ones stay under it and 100x liars go over.
+    ceiling = round(3 * deployment.swarm()["samples_per_second"])
+    deployment.set_ceiling(ceiling)
+    for name, lie in (("bob", "metrics"), ("carol", "both")):
+        deployment.start_worker(name, "--max-epochs", "11", script=[str(LIAR), lie, *witness])
     for name in workers:
         assert deployment.wait_exit(name, timeout=240) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]
 
@@ -104,14 +121,16 @@ def test_three_workers_follow_the_plan_average_exactly_and_every_sample_is_credi
     plan = deployment.get(f"/api/v1/runs/{deployment.slug}/plan")
     assert {peer["username"] for peer in plan["peers"]} <= set(workers), plan
     assert abs(sum(peer["share"] for peer in plan["peers"]) - 1) < 1e-6 and plan["predicted_seconds"] > 0
-    # Rounds under the plan averaged exactly: every result is the samples-weighted mean of the inputs.
+    # Rounds under the plan averaged exactly: every result is the mean of the inputs weighted as hivemind was told
+    # (carol's weight inflated: a lie in the weight is still averaged exactly).
     written = [torch.load(path) for path in rounds.glob("*.pt")]
     planned = [record for record in written if record["planned"]]
     assert planned and any(len(record["peers"]) == 3 for record in planned), [r["peers"] for r in written]
     errors = weighted_mean_errors(planned)
     assert errors and max(errors) < 1e-5, f"{len(errors)} comparisons, worst {max(errors, default=None)}"
     # and the plan leaves every member parts of the others to aggregate, so every claim in a planned round of all
-    # three is attested by another member (a plan that gave one peer the whole vector left its samples unattested)
+    # three is attested by another member (a plan that gave one peer the whole vector left its samples unattested):
+    # confirmed for those who averaged with the weight they claim, and below the claim for bob, who did not.
     reports = {name: deployment.report(name) for name in workers}
     members = {}
     for record in planned:
@@ -119,24 +138,36 @@ def test_three_workers_follow_the_plan_average_exactly_and_every_sample_is_credi
     full = {group for group, records in members.items()
             if len(records) == 3 and all(record["complete"] for record in records)}
     assert full, "no planned round of all three went through whole"
-    unattested = [(name, c["epoch"]) for name in workers for c in reports[name]["contributions"]
-                  if c["group"] in full and c["samples"] and not is_confirmed(reports, name, c)]
-    assert not unattested, unattested
+    in_full = {name: [c for c in reports[name]["contributions"] if c["group"] in full and c["samples"]]
+               for name in workers}
+    assert not [(name, c["epoch"]) for name in ("alice", "carol") for c in in_full[name]
+                if not is_confirmed(reports, name, c)]
+    assert in_full["bob"] and all(0 < seen_weight(reports, "bob", c) * 10 <= c["samples"] for c in in_full["bob"])
 
-    # Exact: the worker's report and the DHT record carry the same number, the weight hivemind averaged with.
-    expected = {name: reported_samples(deployment, name) for name in workers}
-    assert all(expected.values())
-    wait_for(lambda: deployment.credited_by_user() == expected, 30, f"claims to reach {expected}")
-    truth = confirmed_truth(deployment, workers)
-    assert all(truth[name][0] for name in workers), f"a worker never averaged with another: {truth}"
-    wait_for(lambda: deployment.credit_by_user() == truth, 30, f"credit to match the workers' receipts {truth}")
+    # Every claim reaches the database exactly: the worker's report and the DHT record carry the same number.
+    claimed = {name: reported_samples(deployment, name) for name in workers}
+    assert all(claimed.values())
+    wait_for(lambda: deployment.credited_by_user() == claimed, 30, f"claims to reach {claimed}")
+    # alice is credited exactly what the peers that averaged with her confirmed
+    alice_truth = confirmed_truth(deployment, workers)["alice"]
+    assert alice_truth[0], "alice never averaged with another worker"
+    wait_for(lambda: deployment.credit_by_user().get("alice") == alice_truth, 30, f"alice's credit {alice_truth}")
+    # bob exactly what they saw of him, the rest held with the reason; carol is held by the ceiling
+    bob_seen = sum(min(seen_weight(reports, "bob", c) or 0, c["samples"]) for c in reports["bob"]["contributions"])
+    wait_for(lambda: deployment.credit_by_user().get("bob") == (bob_seen, claimed["bob"] - bob_seen), 30,
+             f"bob's credit to be what his peers saw, {bob_seen}")
+    credit, reasons = deployment.credit_by_user(), deployment.held_reasons()
+    assert any("the peers that averaged with it saw" in reason for reason in reasons["bob"]), reasons["bob"]
+    assert credit["carol"][1] > 0, credit
+    assert any(f"ceiling is {ceiling:,}" in reason for reason in reasons["carol"]), (ceiling, reasons["carol"])
 
+    total = sum(credited for credited, _ in credit.values())
+    wait_for(lambda: deployment.swarm()["samples_total"] == total, 30, f"the swarm's total to reach {total}")
     swarm = deployment.swarm()
-    assert swarm["samples_total"] == sum(credited for credited, _ in truth.values())
     assert swarm["epoch"] >= 5 and swarm["target_batch_size"] == 3072
     board = {row["username"]: row for row in deployment.get(f"/api/v1/runs/{deployment.slug}/leaderboard")}
     assert {name: row["samples"] for name, row in board.items() if row["samples"]} == {
-        name: c for name, (c, _) in truth.items() if c}
+        name: c for name, (c, _) in credit.items() if c}
     assert all(board[name]["runtime_seconds"] > 0 for name in workers)
 
 
