@@ -70,6 +70,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from dedloc_worker.contract import GRADIENT_PART_BYTES
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path("bench/results/averaging_emu.json")
 VECTOR_BYTES = 10**7  # 10 MB: 2.5 million fp32 values per peer
@@ -80,7 +82,7 @@ SUBNET = "10.47.0"
 RING_PORT = 29500
 BURST_BYTES = 16384  # tbf bucket; larger GSO packets are split by tbf itself
 QUEUE_MS = 20.0  # default tbf queue, milliseconds at the link's rate (see the module doc)
-PART_BYTES = 2**17  # hivemind's part_size_bytes for every mode (its default is 2**19; see the module doc)
+PART_BYTES = GRADIENT_PART_BYTES  # hivemind's part_size_bytes for every mode, the worker's (see the module doc)
 MATCHMAKING_S = 1.0  # hivemind's min_matchmaking_time; the group starts early once all four peers joined
 REPLY_TIMEOUT_S = 180.0
 RETRIES = 2  # a failed round is retried this many times (each failure is counted and reported)

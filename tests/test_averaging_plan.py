@@ -14,6 +14,7 @@ import hivemind
 import pytest
 import torch
 from dedloc_worker.averaging import (
+    IN_FLIGHT_PARTS,
     PLAN_MARKER,
     PlannedAverager,
     PlannedGradientAverager,
@@ -120,6 +121,10 @@ def test_hivemind_internals_are_those_the_planned_averager_was_written_against()
     # both ends of a stream ask it (so StreamingAllReduceRunner only runs where every member uses it)
     assert "self.should_delay_results(self.peer_id)" in inspect.getsource(AllReduceRunner._communicate_with_peer)
     assert "self.should_delay_results(context.remote_id)" in inspect.getsource(AllReduceRunner.rpc_aggregate_part)
+    # the window: what a sender streams to an aggregator, and where the aggregator's results are taken in
+    communicate = inspect.getsource(AllReduceRunner._communicate_with_peer)
+    assert "self._generate_input_for_peer(peer_index)" in communicate
+    assert "self.tensor_part_container.register_processed_part(peer_index, part_index, delta)" in communicate
     runner_init = inspect.getsource(AllReduceRunner.__init__)
     for attribute in ("self.parts_for_local_averaging", "self.tensor_part_container", "self.tensor_part_reducer"):
         assert attribute in runner_init
@@ -232,6 +237,8 @@ def test_a_plan_splits_the_vector_as_given_and_keeps_the_exact_weighted_mean(thr
         record: RoundRecord = records[peer]
         # a planned group streams results to its zero-share peer too (no hold-back), and the mean stays exact
         assert record.planned and record.complete and record.streamed, record
+        # ... sending each aggregator at most a window of parts ahead of its results (60 parts to the first here)
+        assert 1 <= record.most_in_flight <= IN_FLIGHT_PARTS, record
         assert dict(zip(record.peer_ids, record.fractions)) == pytest.approx(plan)
         # the shares fall on part boundaries here, so hivemind's part-wise split hits them to the element
         assert abs(record.aggregated_elements - share * ELEMENTS) <= 1, (peer, record.aggregated_elements)
@@ -254,5 +261,6 @@ def test_peers_the_plan_does_not_name_and_no_plan_at_all_fall_back_to_hivemind(t
     expected, results, records = average_once(three_averagers, weights=(1.0, 1.0, 1.0), seed=8)
     for result in results:
         torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
-    assert not records[first].planned and not records[first].streamed  # hivemind's runner, hold-back included
+    # hivemind's runner, hold-back included and no window
+    assert not records[first].planned and not records[first].streamed and records[first].most_in_flight is None
     assert records[first].fractions == pytest.approx([1 / 3] * 3, abs=1 / ELEMENTS)

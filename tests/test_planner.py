@@ -89,6 +89,17 @@ def test_client_mode_peers_get_zero_even_when_fastest():
     assert lower_bound_seconds(peers, V, hold_back=False) == pytest.approx(V / (10 * MBIT))
 
 
+def test_the_bound_puts_what_client_mode_peers_cannot_carry_on_the_aggregators():
+    """4 x 100 Mbit/s, one behind NAT: it moves V each way, the three others carry the rest of the 6 V, 5/3 V each.
+
+    Summing every peer's link (1.5 V each) gave a bound no split reaches; the planner's optimum is the bound."""
+    peers = [peer(f"pub-{i}", 100) for i in range(3)] + [peer("nat", 100, client_mode=True)]
+    assert lower_bound_seconds(peers, V, hold_back=False) == pytest.approx(5 / 3 * V / (100 * MBIT))
+    plan = plan_averaging(peers, V, hold_back=False)
+    assert plan.shares == pytest.approx({"pub-0": 1 / 3, "pub-1": 1 / 3, "pub-2": 1 / 3, "nat": 0.0})
+    assert plan.predicted_seconds == pytest.approx(plan.lower_bound_seconds, rel=1e-9)
+
+
 def test_every_peer_in_client_mode_is_refused():
     with pytest.raises(PlanningError, match="client mode"):
         plan_averaging([peer("a", 100, client_mode=True), peer("b", 100, client_mode=True)], V)

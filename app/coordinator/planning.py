@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from dedloc_worker.contract import LinkReport, PlanRecord, plan_payload
+from dedloc_worker.contract import GRADIENT_PART_BYTES, LinkReport, PlanRecord, plan_payload
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -30,16 +30,16 @@ logger = logging.getLogger("dedloc.coordinator")
 # tensor, or 512 KiB of one), so a peer with a sliver of the vector aggregates no part at all; then nobody sees the
 # main aggregator's weight and its samples cannot be attested (held "alone", seen with a 99.9% / 0.03% / 0.03%
 # plan). Each sender is given ATTESTATION_PARTS parts' worth, or its even slice of ATTESTATION_SHARE where the
-# vector is too small for that (a test model of 0.5 MB: one part is all of it).
+# vector is too small for that (a test model of 0.5 MB: four parts are all of it).
 ATTESTATION_SHARE = 0.5
 ATTESTATION_PARTS = 2
-PART_BYTES = 2**19  # hivemind's part_size_bytes, which the worker keeps
+PART_BYTES = GRADIENT_PART_BYTES  # the worker's part size
 
 
 def attestation_floor(peers: list[PeerProfile], vector_bytes: float) -> float:
     """The least share of the vector each sender that may aggregate gets in a live plan (see ATTESTATION_SHARE).
 
-    On a 100 MB model that is 1% each (near-optimal plans stay near-optimal); on a model of a few parts, half the
+    On a 100 MB model that is 0.26% each (near-optimal plans stay near-optimal); on a model of a few parts, half the
     vector spread evenly.
     """
     senders = max(sum(1 for p in peers if p.sends and p.can_aggregate), 1)

@@ -175,7 +175,9 @@ def lower_bound_seconds(peers: Iterable[PeerProfile], vector_bytes: float, *, ho
     the n_s senders (each moves at least V each way when n_s >= 2) and the sums over every peer that can carry
     traffic (senders and aggregating aux peers), since a round moves at least 2 (n_s - 1) V bytes each way.
     A client-mode sender never aggregates, so it moves exactly V each way, in sequence under hold-back:
-    ``V / u_i + V / d_i`` (``max`` of the two without hold-back).
+    ``V / u_i + V / d_i`` (``max`` of the two without hold-back); and the rest of the volume, ``2 (n_s - 1) V - c V``
+    for c client-mode senders, falls on the peers that aggregate (4 x 100 Mbit/s with one behind NAT: 1.33 s for
+    10 MB, where the sums over every peer gave 1.2 s, which no split can reach).
     """
     return _lower_bound(_Swarm(peers, vector_bytes), hold_back)
 
@@ -190,6 +192,9 @@ def _lower_bound(swarm: _Swarm, hold_back: bool) -> float:
         total = 2 * (swarm.n_senders - 1) * volume
         bounds += [volume / swarm.up[swarm.sends].min(), volume / swarm.down[swarm.sends].min()]
         bounds += [total / swarm.up[carriers].sum(), total / swarm.down[carriers].sum()]
+        if clients.any() and swarm.aggregates.any():
+            rest = total - int(clients.sum()) * volume
+            bounds += [rest / swarm.up[swarm.aggregates].sum(), rest / swarm.down[swarm.aggregates].sum()]
     return float(max(bounds))
 
 

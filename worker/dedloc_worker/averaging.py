@@ -23,14 +23,15 @@ is left to the code that fetches the plan.
 Hold-back: hivemind returns averaged parts to a peer whose fraction is exactly zero (a client-mode peer, or one
 the split gives nothing) only after that peer has finished uploading (``AllReduceRunner.should_delay_results``),
 so it pays upload plus download in sequence. Planned groups run ``StreamingAllReduceRunner``, which streams
-results to every peer at once; groups without a plan, or with a member that is not a ``PlannedAverager``, keep
+results to every peer at once, with a window of parts in flight per aggregator; groups without a plan, or with a member that is not a ``PlannedAverager``, keep
 hivemind's runner, hold-back included (both ends of a stream must agree on it).
 
 hivemind internals relied on (``tests/test_averaging_plan.py`` pins each, so that an upgrade fails loudly):
 ``DecentralizedAverager.step`` sending ``[bandwidth, mode, gather]`` as each peer's metadata;
 ``_aggregate_with_group(group_info, min_vector_size, **kwargs)`` (replaced here) and
 ``_run_allreduce_inplace_`` (copied here with the runner's class as a parameter); both ends of a stream asking
-``should_delay_results``; the runner kept in
+``should_delay_results``; ``_generate_input_for_peer`` and ``tensor_part_container.register_processed_part``
+(the window); the runner kept in
 ``_running_groups[group_id]`` until the step ends; ``AllReduceRunner.parts_for_local_averaging``,
 ``tensor_part_container.failed_size`` and ``tensor_part_reducer.num_parts_received``; the control pipe
 (``_outer_pipe``) that runs ``_get_last_round`` in the averager's process.
@@ -119,6 +120,8 @@ class RoundRecord:
     :param missing_inputs: parts this peer, as an aggregator, never received from a sender; 0 in a complete round
     :param error: why the all-reduce failed, or None
     :param streamed: whether results went back to zero-share peers while they uploaded (no hold-back)
+    :param most_in_flight: the most parts this peer sent an aggregator ahead of their results (streamed rounds
+      only; None where hivemind's runner ran)
     """
 
     peer_ids: List[str]
@@ -132,6 +135,7 @@ class RoundRecord:
     missing_inputs: int = 0
     error: Optional[str] = None
     streamed: bool = False
+    most_in_flight: Optional[int] = None
 
     @property
     def seconds(self) -> float:
@@ -144,18 +148,59 @@ class RoundRecord:
         return self.error is None and self.failed_elements == 0 and self.missing_inputs == 0
 
 
-class StreamingAllReduceRunner(AllReduceRunner):
-    """hivemind's all-reduce without the hold-back: averaged parts go back to every peer as they are ready.
+IN_FLIGHT_PARTS = 4
+"""Parts a peer sends an aggregator ahead of the averaged results that came back from it (see
+``StreamingAllReduceRunner``). 1 would serialize upload and download; 4 x 128 KiB kept 400 + 3 x 50 at 7.1-7.7 s
+per round (6.4 s bound) where an unlimited stream took 7.4-9.9 s, and left 4 x 100 as it was."""
 
-    hivemind returns results to a peer whose fraction is zero (a client-mode peer, or one the split gives nothing)
-    only after that peer has finished uploading, so such a peer pays upload plus download in sequence; on a
-    full-duplex link it can do both at once (the planner's model for planned groups: ``hold_back=False``). Both
-    ends of a stream consult ``should_delay_results``, so every member of a group must use the same runner: only
-    planned groups, in which every member announced ``PLAN_MARKER``, use this one.
+
+class StreamingAllReduceRunner(AllReduceRunner):
+    """hivemind's all-reduce without the hold-back, and with a window: averaged parts go back to every peer as
+    they are ready, and a peer sends an aggregator at most ``IN_FLIGHT_PARTS`` parts ahead of their results.
+
+    Hold-back: hivemind returns results to a peer whose fraction is zero (a client-mode peer, or one the split
+    gives nothing) only after that peer has finished uploading, so such a peer pays upload plus download in
+    sequence; on a full-duplex link it can do both at once (the planner's model for planned groups:
+    ``hold_back=False``). Both ends of a stream consult ``should_delay_results``, so every member of a group must
+    use the same runner: only planned groups, in which every member announced ``PLAN_MARKER``, use this one.
+
+    Window: two peers share one connection both ways, and the libp2p muxer's flow-control messages for one
+    direction queue behind whatever the other direction has buffered (the kernel's send buffer grows to MiBs, seconds
+    of a slow uplink). An unlimited upload then starves the download it should overlap with: measured on 400 + 3 x
+    50, a slow peer's upload and download took turns. The window bounds what waits in the buffers, and needs no
+    link rate. It is safe only without hold-back (a held-back peer would wait for results that wait for its last
+    part), and each sender decides it alone, so peers of different windows still agree.
+
+    :ivar most_in_flight: the most parts this peer had sent one aggregator without its results back
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._windows: Dict[int, asyncio.Semaphore] = {}
+        self._in_flight: Dict[int, int] = {}
+        self.most_in_flight = 0
+        container = self.tensor_part_container
+        register = container.register_processed_part
+
+        def register_and_open(peer_index: int, part_index: int, part: Any) -> None:
+            register(peer_index, part_index, part)
+            if peer_index in self._windows:  # results of the local share come back without a window
+                self._in_flight[peer_index] -= 1
+                self._windows[peer_index].release()
+
+        container.register_processed_part = register_and_open
 
     def should_delay_results(self, peer_id) -> bool:
         return False
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        window = self._windows[peer_index] = asyncio.Semaphore(IN_FLIGHT_PARTS)
+        self._in_flight[peer_index] = 0
+        async for message in super()._generate_input_for_peer(peer_index):
+            await window.acquire()
+            self._in_flight[peer_index] += 1
+            self.most_in_flight = max(self.most_in_flight, self._in_flight[peer_index])
+            yield message
 
 
 class PlannedAverager(DecentralizedAverager):
@@ -263,6 +308,7 @@ class PlannedAverager(DecentralizedAverager):
             return
         runner = future.result()
         record.streamed = isinstance(runner, StreamingAllReduceRunner)
+        record.most_in_flight = getattr(runner, "most_in_flight", None)
         record.aggregated_elements = sum(part.numel() for part in runner.parts_for_local_averaging)
         record.failed_elements = int(runner.tensor_part_container.failed_size)
         reducer = runner.tensor_part_reducer

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 
 import hivemind
 
-from .contract import RunConfig
+from .contract import GRADIENT_PART_BYTES, RunConfig
 
 
 def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, identity_path: Optional[str] = None,
@@ -118,7 +118,8 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
         auxiliary=aux,
         # Pitfall 2: averager_opts reach only the state averager; the gradient averager gets them here, and it is
         # the one that applies the coordinator's averaging plan.
-        grad_averager_factory=functools.partial(PlannedGradientAverager, **averager_opts),
+        grad_averager_factory=functools.partial(PlannedGradientAverager, part_size_bytes=GRADIENT_PART_BYTES,
+                                                **averager_opts),
         averager_opts=averager_opts,
         tracker_opts=dict(metadata_expiration=opt.metadata_expiration),
         verbose=verbose,
