@@ -49,7 +49,9 @@ def markdown_table(rows: Sequence[dict]) -> str:
         "vector, the median of the rounds that passed the check against the true mean (`ring` is gloo's",
         "all-reduce there). `lower bound`: `app.planner.lower_bound_seconds` for the nominal link rates, without",
         "hold-back: the planner's groups return results to zero-share and client-mode peers while they upload (plain",
-        "hivemind, in the `equal` and `hivemind` columns, holds them back until the upload ends).",
+        "hivemind, in the `equal` and `hivemind` columns, holds them back until the upload ends), and send each",
+        "aggregator at most 4 parts ahead of its results. Why, and what limits 4x100 here: the docstring of",
+        "`bench/emulate_averaging.py`.",
         "",
         "| profile | mode | ring | equal | hivemind | planner | lower bound | ring / planner | planner / bound "
         "| planner / equal | notes |",

@@ -24,28 +24,27 @@ now and then loses the last part of a stream: in the logs, the aggregator's p2pd
 closes it, before the sender has read the part.)
 ``lower_bound`` is ``app.planner.lower_bound_seconds`` for the nominal link rates, without hold-back: the planner's
 groups run ``StreamingAllReduceRunner``, which returns results to zero-share and client-mode peers while they
-upload, so the bound is the links' own (equal and hivemind, plain hivemind, still hold back).
+upload, so the bound is the links' own (equal and hivemind, plain hivemind, still hold back). A client-mode peer
+carries exactly V each way, so the rest falls on the peers that aggregate (nat-4x100: 1.33 s, not 1.2 s).
 
 Two settings, the same for every mode and written into every row: tbf queues of ``--queue-ms`` (20 ms at the
-link's rate, a 16 KB bucket) and hivemind parts of ``--part-kib`` (128 KiB; hivemind's default is 512 KiB, with
-which the results sent back to a slow peer trail its upload by a whole part). On 400 + 3 x 50, medians of three
-rounds of the planner's split on this shared 2-core machine: 10.0 s with these settings, 11.2 s with 512 KiB
-parts, 8.3 s with 50 ms queues; single rounds of one setting spread from 7.9 to 12.9 s.
+link's rate, a 16 KB bucket) and hivemind parts of ``--part-kib`` (the worker's ``GRADIENT_PART_BYTES``, 128 KiB;
+hivemind's default is 512 KiB, with which the results sent back to a slow peer trail its upload by a whole part).
 
 Modes share the peers and their connections, and a round leaves its connections in a state the next one inherits,
-so each round starts one mode further on: every mode follows every other equally often. (Before, the planner always
-followed hivemind's split and measured 10.0 s on 400 + 3 x 50 where, in its own rounds, it measured 7.1-8.7 s.)
+so each round starts one mode further on: every mode follows every other equally often.
 
-Why hivemind's rounds run slower than the links (measured on 400 + 3 x 50, planner's split; per-0.25 s byte
-counters of each tbf; CPU 10-20% busy): in slow rounds a slow peer's upload and download take turns instead of
-running together, and rounds get slower as connections age (8.1, 8.9, 9.7, 9.9 s in four rounds alternating with
-hivemind's split). Raw TCP both ways at once on the same links takes 6.76 s (6.4 s nominal). Each pair of peers
-shares one TCP connection, and the likely cause is the stream muxer's window updates for one direction queueing
-behind bulk data going the other way: with the peers' send buffers capped at 64 KiB (``--peer-sndbuf-kib 64``, a
-host setting; the kernel autotunes up to 4 MiB) planner rounds alternating with hivemind's split took 7.0-7.7 s
-and no longer slowed down, and ``tcp_notsent_lowat`` alone did not help. But in this bench's full rotation (gloo
-and equal-split rounds too) the same cap left the planner at 9.9-11.4 s (3 rounds): the cause is not pinned down.
-A cap that small would only suit links without propagation delay anyway; the fix belongs in the transport.
+Why plain hivemind's rounds run slower than the links, and what the planner's groups do about it (measured on
+400 + 3 x 50 with per-0.25 s byte counters of each tbf): each pair of peers shares one TCP connection, and a peer
+pushes its parts into it as fast as the local buffers take them (the kernel autotunes the send buffer up to
+4 MiB: seconds of a 12.5 Mbit/s uplink). The muxer's flow-control messages for the other direction wait behind
+that data, so a slow peer's upload and download took turns instead of overlapping (7.4-9.9 s a round, 6.4 s
+bound; raw TCP both ways at once: 6.76 s). ``StreamingAllReduceRunner`` sends an aggregator at most
+``IN_FLIGHT_PARTS`` (4) parts ahead of the results that came back from it: 7.1-7.9 s. Two rounds each of other
+windows: 2 x 128 KiB 7.1-7.2 s, 8 x 128 KiB 7.3-7.7 s, 2 x 512 KiB 8.2-8.7 s, 1 part 13.2 s (no overlap at all).
+4 x 100 and nat-4x100 are bound by this machine's 2 cores: four peers moving 150 Mbit/s each used 3.5 CPU-seconds
+per 1.5 s round (p2pd 1.3, the peers' Python 1.6, the kernel's network softirq 0.8); gloo's ring, with no
+daemon and no encryption, reaches 1.29 s of the 1.2 s bound there.
 
 The bench needs root (namespaces); without it, it writes one "skipped" entry and exits 0. It talks only to
 addresses inside the namespaces it creates, and removes them, and every process it started, even on Ctrl-C.
