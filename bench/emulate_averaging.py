@@ -42,9 +42,14 @@ that data, so a slow peer's upload and download took turns instead of overlappin
 bound; raw TCP both ways at once: 6.76 s). ``StreamingAllReduceRunner`` sends an aggregator at most
 ``IN_FLIGHT_PARTS`` (4) parts ahead of the results that came back from it: 7.1-7.9 s. Two rounds each of other
 windows: 2 x 128 KiB 7.1-7.2 s, 8 x 128 KiB 7.3-7.7 s, 2 x 512 KiB 8.2-8.7 s, 1 part 13.2 s (no overlap at all).
-4 x 100 and nat-4x100 are bound by this machine's 2 cores: four peers moving 150 Mbit/s each used 3.5 CPU-seconds
-per 1.5 s round (p2pd 1.3, the peers' Python 1.6, the kernel's network softirq 0.8); gloo's ring, with no
-daemon and no encryption, reaches 1.29 s of the 1.2 s bound there.
+What keeps 4 x 100 at ~1.25-1.3x is not the CPU, though four peers at 150 Mbit/s each keep 2 cores ~90% busy (3.5
+CPU-seconds per 1.5 s round: p2pd 1.3, mostly syscalls, the peers' Python 1.6, network softirq 0.8): with a 64 KB
+tbf bucket, which stops tbf cutting GSO packets, the CPU was 40-60% busy and 12 planner rounds took the same median
+(1.50 s, against 1.505 s with 16 KB). In 0.1 s samples the links run at ~85% of their rate, with dips, likely from
+hivemind's reducer, which takes parts strictly in order, each once every sender's copy has come (one late part
+holds up every stream; not pinned down). Windows of 2 / 4 / 8 / 32 parts: medians 1.59 / 1.50 / 1.52 / 1.55 s over
+9-12 rounds; the bench's rotation (after gloo and plain hivemind rounds) measures the same split at ~1.58 s. gloo's
+ring, with no daemon, no encryption and no reducer, reaches 1.29 s of the 1.2 s bound.
 
 The bench needs root (namespaces); without it, it writes one "skipped" entry and exits 0. It talks only to
 addresses inside the namespaces it creates, and removes them, and every process it started, even on Ctrl-C.
