@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from bench import emulate_averaging, simulate_averaging
+from bench.emulate_averaging import ROUNDS
 
 RESULTS = Path("bench/results")
 COLUMNS = ("ring", "equal", "hivemind", "planner", "lower_bound")
@@ -24,7 +25,8 @@ COLUMNS = ("ring", "equal", "hivemind", "planner", "lower_bound")
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description="every benchmark of the project")
-    parser.add_argument("--rounds", type=int, default=5, help="emulated rounds per mode and profile (default 5)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS,
+                        help=f"emulated rounds per mode and profile (default {ROUNDS})")
     args = parser.parse_args(argv)
 
     sim_path, emu_path = RESULTS / "averaging_sim.json", RESULTS / "averaging_emu.json"

@@ -89,6 +89,8 @@ QUEUE_MS = 20.0  # default tbf queue, milliseconds at the link's rate (see the m
 PART_BYTES = GRADIENT_PART_BYTES  # hivemind's part_size_bytes for every mode, the worker's (see the module doc)
 MATCHMAKING_S = 1.0  # hivemind's min_matchmaking_time; the group starts early once all four peers joined
 REPLY_TIMEOUT_S = 180.0
+ROUNDS = 9  # per mode and profile: single rounds spread +-15% on this shared machine, and 5-round medians of one
+# split moved by 5% between runs (4x100: 1.50-1.58 s)
 RETRIES = 2  # a failed round is retried this many times (each failure is counted and reported)
 FAILURE_KINDS = ("error", "partial", "wrong")  # raised / flagged by hivemind ("received X%") / silently wrong
 RESULT_TOLERANCE = 1e-5  # max |result - true mean| for fp32 means of four N(0, 1) values
@@ -544,7 +546,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.emulate_averaging", description=__doc__.split("\n")[0])
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON results file (default {DEFAULT_OUT})")
     parser.add_argument("--profile", action="append", choices=sorted(PROFILES), help="profile to run (repeatable)")
-    parser.add_argument("--rounds", type=int, default=5, help="rounds per mode and profile (default 5)")
+    parser.add_argument("--rounds", type=int, default=ROUNDS, help=f"rounds per mode and profile (default {ROUNDS})")
     parser.add_argument("--queue-ms", type=float, default=QUEUE_MS, help=f"tbf queue, ms (default {QUEUE_MS:g})")
     parser.add_argument("--part-kib", type=int, default=PART_BYTES // 1024,
                         help=f"hivemind's part_size_bytes, KiB, for every mode (default {PART_BYTES // 1024})")
