@@ -21,7 +21,8 @@ Every round averages fresh seeded vectors; every peer checks its result against 
 raised, that hivemind flagged (its "received X% results" warning, or parts missing in the runner), or whose mean
 is wrong is a failed round: counted by kind, left out of the median, and retried up to twice. (hivemind 1.1.12
 now and then loses the last part of a stream: in the logs, the aggregator's p2pd resets the stream as the handler
-closes it, before the sender has read the part.)
+closes it, before the sender has read the part. The planner's groups end a stream only once its last result is in:
+0 of 80 planner rounds lost a part that way, against 5 of 70 before.)
 ``lower_bound`` is ``app.planner.lower_bound_seconds`` for the nominal link rates, without hold-back: the planner's
 groups run ``StreamingAllReduceRunner``, which returns results to zero-share and client-mode peers while they
 upload, so the bound is the links' own (equal and hivemind, plain hivemind, still hold back). A client-mode peer
