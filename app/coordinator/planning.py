@@ -27,13 +27,12 @@ from ..planner import PeerProfile, Plan, PlanningError, Replanner
 
 logger = logging.getLogger("dedloc.coordinator")
 # Share of the vector the live plan spreads evenly over the senders, at most. hivemind hands out whole parts (a
-# tensor, or 512 KiB of one), so a peer with a sliver of the vector aggregates no part at all; then nobody sees the
-# main aggregator's weight and its samples cannot be attested (held "alone", seen with a 99.9% / 0.03% / 0.03%
-# plan). Each sender is given ATTESTATION_PARTS parts' worth, or its even slice of ATTESTATION_SHARE where the
-# vector is too small for that (a test model of 0.5 MB: four parts are all of it).
+# tensor, or GRADIENT_PART_BYTES of one), so a peer with a sliver of the vector aggregates no part at all; then
+# nobody sees the main aggregator's weight and its samples cannot be attested (held "alone", seen with a 99.9% /
+# 0.03% / 0.03% plan). Each sender is given ATTESTATION_PARTS parts' worth, or its even slice of ATTESTATION_SHARE
+# where the vector is too small for that (a test model of 0.5 MB: four parts are all of it).
 ATTESTATION_SHARE = 0.5
 ATTESTATION_PARTS = 2
-PART_BYTES = GRADIENT_PART_BYTES  # the worker's part size
 
 
 def attestation_floor(peers: list[PeerProfile], vector_bytes: float) -> float:
@@ -43,7 +42,7 @@ def attestation_floor(peers: list[PeerProfile], vector_bytes: float) -> float:
     vector spread evenly.
     """
     senders = max(sum(1 for p in peers if p.sends and p.can_aggregate), 1)
-    return min(ATTESTATION_SHARE / senders, ATTESTATION_PARTS * PART_BYTES / vector_bytes)
+    return min(ATTESTATION_SHARE / senders, ATTESTATION_PARTS * GRADIENT_PART_BYTES / vector_bytes)
 
 
 @dataclass(frozen=True)

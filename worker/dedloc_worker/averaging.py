@@ -23,8 +23,9 @@ is left to the code that fetches the plan.
 Hold-back: hivemind returns averaged parts to a peer whose fraction is exactly zero (a client-mode peer, or one
 the split gives nothing) only after that peer has finished uploading (``AllReduceRunner.should_delay_results``),
 so it pays upload plus download in sequence. Planned groups run ``StreamingAllReduceRunner``, which streams
-results to every peer at once, with a window of parts in flight per aggregator; groups without a plan, or with a member that is not a ``PlannedAverager``, keep
-hivemind's runner, hold-back included (both ends of a stream must agree on it).
+results to every peer at once, with a window of parts in flight per aggregator; groups without a plan, or with a
+member that is not a ``PlannedAverager``, keep hivemind's runner, hold-back included (both ends of a stream must
+agree on it).
 
 hivemind internals relied on (``tests/test_averaging_plan.py`` pins each, so that an upgrade fails loudly):
 ``DecentralizedAverager.step`` sending ``[bandwidth, mode, gather]`` as each peer's metadata;
