@@ -27,6 +27,16 @@ class Settings(BaseSettings):
     coordinator_timeout: float = Field(30.0, gt=0)
     # Seconds between two server-sent updates of a dashboard.
     live_interval: float = Field(2.0, gt=0)
+    # Open dashboard streams one web process serves; past it a viewer gets 503 + Retry-After (each stream costs a
+    # socket and a little memory, never a database connection).
+    max_event_streams: int = Field(2000, gt=0)
+    # A viewer whose socket takes longer than this (seconds) to accept one update is dropped.
+    event_send_timeout: float = Field(10.0, gt=0)
+    # Database connection pool per process (SQLAlchemy's QueuePool, SQLite and PostgreSQL alike). A request holds a
+    # connection only while its handler runs; a request that waits longer than db_pool_timeout gets 503.
+    db_pool_size: int = Field(5, gt=0)
+    db_max_overflow: int = Field(10, ge=0)
+    db_pool_timeout: float = Field(10.0, gt=0)
 
     # Signs session cookies and encrypts runs' authority keys at rest. Empty: a random key kept in
     # data_dir/secret.key (fine for one machine; set it explicitly when several portals share a database).

@@ -11,15 +11,17 @@ from sqlalchemy.orm import Session, sessionmaker
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def make_engine(url: str) -> Engine:
+def make_engine(url: str, pool_size: int = 5, max_overflow: int = 10, pool_timeout: float = 30.0) -> Engine:
+    """An engine with a bounded pool (``Settings.db_pool_*`` in the portal; SQLAlchemy's defaults elsewhere)."""
+    pool = dict(pool_size=pool_size, max_overflow=max_overflow, pool_timeout=pool_timeout)
     if url.startswith("sqlite"):
         path = url.split("///", 1)[-1]
         if path and path != ":memory:":
             Path(path).parent.mkdir(parents=True, exist_ok=True)
-        engine = create_engine(url, connect_args={"timeout": 30})
+        engine = create_engine(url, connect_args={"timeout": 30}, **(pool if path != ":memory:" else {}))
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    return create_engine(url, pool_pre_ping=True, **pool)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:

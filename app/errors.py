@@ -5,7 +5,8 @@
     ├── Invalid        input that breaks a rule, e.g. a slug already taken (HTTP 422, exit 2)
     ├── Forbidden      a user the run does not admit: banned, not allowlisted (HTTP 403, exit 2)
     ├── TooLarge       a request body past its limit, e.g. an oversize link probe (HTTP 413)
-    └── TooManyRequests  past a per-account limit; says when to retry (HTTP 429 + Retry-After)
+    ├── TooManyRequests  past a per-account limit; says when to retry (HTTP 429 + Retry-After)
+    └── Unavailable    past a capacity limit of this process, e.g. live streams (HTTP 503 + Retry-After)
 """
 
 
@@ -39,3 +40,7 @@ class TooManyRequests(DedlocError):
     def __init__(self, message: str, retry_after: float):
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class Unavailable(TooManyRequests):
+    status_code = 503

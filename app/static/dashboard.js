@@ -1,4 +1,4 @@
-// Live dashboard: history from the JSON API, then one server-sent event per coordinator snapshot.
+// Live dashboard: history from the JSON API, then server-sent events (app/web/live.py) as the swarm changes.
 (function () {
   const root = document.getElementById("swarm");
   const slug = root.dataset.slug;
@@ -43,72 +43,10 @@
       swarm.updated_at ? new Date(swarm.updated_at).toLocaleTimeString() : "never";
   }
 
-  // Credit and the averaging plan change at most once per epoch: redraw them when the epoch moves.
-  let shownEpoch = null;
-  function onEpoch(epoch) {
-    if (epoch === shownEpoch) return;
-    shownEpoch = epoch;
-    refreshLeaders();
-    refreshPlan();
-  }
-
-  const leaders = document.getElementById("leaders");
-  function refreshLeaders() {
-    if (!leaders) return;
-    fetch(`/api/v1/runs/${slug}/leaderboard?limit=10`).then((r) => r.json()).then((rows) => {
-      const body = leaders.querySelector("tbody") || leaders;
-      body.replaceChildren(...rows.map((row, i) => {
-        const tr = document.createElement("tr");
-        // The columns of templates/_leaders.html.
-        const seen = row.last_seen ? row.last_seen.slice(0, 16).replace("T", " ") + " UTC" : "";
-        const cells = [i + 1, row.username, row.team || "", row.samples.toLocaleString("en-US"),
-                       row.held_samples ? row.held_samples.toLocaleString("en-US") : "",
-                       `${row.runtime_seconds.toFixed(0)} s`, row.peers, seen];
-        cells.forEach((value, column) => {
-          const td = document.createElement("td");
-          td.textContent = value;
-          if (column > 2 && column < 7) td.className = "num";
-          tr.appendChild(td);
-        });
-        return tr;
-      }));
-    });
-  }
-
-  const plan = document.getElementById("plan");
-  function refreshPlan() {
-    // 404 while the coordinator has published no plan: shown as "no averaging plan yet".
-    if (plan) fetch(`/api/v1/runs/${slug}/plan`).then((r) => (r.ok ? r.json() : null)).then(showPlan);
-  }
-
-  function showPlan(p) {
-    plan.hidden = !p;
-    document.getElementById("no-plan").hidden = !!p;
-    if (!p) return;
-    // The rule of the duration macro in templates/_plan.html: milliseconds below a second.
-    const secs = (v) => (v === null ? "not yet" : v < 0.01 ? (1000 * v).toFixed(1) + " ms"
-                         : v < 1 ? (1000 * v).toFixed(0) + " ms" : v.toFixed(2) + " s");
-    document.getElementById("plan-predicted").textContent = secs(p.predicted_seconds);
-    document.getElementById("plan-measured").textContent = secs(p.measured_seconds);
-    document.getElementById("plan-lower-bound").textContent = secs(p.lower_bound_seconds);
-    document.getElementById("plan-created").textContent = p.created_at.slice(0, 16).replace("T", " ") + " UTC";
-    document.getElementById("plan-reason").textContent = p.reason ? "· " + p.reason : "";
-    const table = document.getElementById("plan-peers");
-    const roles = JSON.parse(table.dataset.roles);
-    table.querySelector("tbody").replaceChildren(...p.peers.map((peer) => {
-      // The columns of templates/_plan.html.
-      const cells = [peer.fingerprint, peer.username, roles[peer.role] || peer.role,
-                     (100 * peer.share).toFixed(1) + " %", peer.upload_mbps.toFixed(1), peer.download_mbps.toFixed(1)];
-      const tr = document.createElement("tr");
-      cells.forEach((value, column) => {
-        const td = document.createElement("td");
-        if (column === 0) td.appendChild(document.createElement("code")).textContent = value;
-        else td.textContent = value;
-        if (column > 2) td.className = "num";
-        tr.appendChild(td);
-      });
-      return tr;
-    }));
+  // The leaderboard and the plan arrive rendered by the server's own partials (templates/_leaders.html,
+  // templates/_plan.html): the page has one renderer per table.
+  function swap(id) {
+    return (event) => { document.getElementById(id).innerHTML = event.data; };
   }
 
   let last = null;
@@ -125,11 +63,12 @@
   source.addEventListener("swarm", (event) => {
     const swarm = JSON.parse(event.data);
     show(swarm);
-    onEpoch(swarm.epoch);
     if (swarm.updated_at && swarm.updated_at !== last) {
       last = swarm.updated_at;
       addPoint(swarm);
       Object.values(charts).forEach((c) => c.update());
     }
   });
+  source.addEventListener("leaders", swap("leaders-live"));
+  source.addEventListener("plan", swap("plan-live"));
 })();

@@ -22,7 +22,8 @@ def get_session(request: Request) -> Iterator[Session]:
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
-SessionDep = Annotated[Session, Depends(get_session)]
+# Closed when the handler returns, before the response is sent: a streaming response holds no connection.
+SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 def valid_run(session: SessionDep, slug: Annotated[str, Path(max_length=64)]) -> Run:

@@ -9,6 +9,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
 from ..config import Settings
@@ -24,17 +25,20 @@ from . import api, join, link_probe, live, me, metrics, organize, pages, peer_to
 
 def create_app(settings: Settings | None = None) -> FastAPI:
     settings = settings or Settings()
-    engine = make_engine(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url, pool_size=settings.db_pool_size,
+                         max_overflow=settings.db_max_overflow, pool_timeout=settings.db_pool_timeout)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
         yield
+        await app.state.feed.close()
         engine.dispose()
 
     app = FastAPI(title="dedloc", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.sessions = make_sessionmaker(engine)
     app.state.templates = Jinja2Templates(directory=ROOT / "templates")
+    app.state.feed = live.LiveFeed(app.state.sessions, app.state.templates, settings)
     app.state.registry = metrics.make_registry(app.state.sessions)
     app.mount("/static", StaticFiles(directory=ROOT / "app" / "static"), name="static")
     # identity (app/auth): signed session cookies, the OpenID Connect client, sign-in redirects, form tokens
@@ -70,6 +74,12 @@ def add_error_handlers(app: FastAPI) -> None:
         response = respond(request, exc.status_code, str(exc))
         if getattr(exc, "retry_after", None):
             response.headers["Retry-After"] = str(int(exc.retry_after + 0.999))
+        return response
+
+    @app.exception_handler(PoolTimeout)
+    async def database_busy(request: Request, exc: PoolTimeout):
+        response = respond(request, 503, "the portal's database is busy; retry in a few seconds")
+        response.headers["Retry-After"] = "5"
         return response
 
     @app.exception_handler(HTTPException)
