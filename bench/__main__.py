@@ -6,6 +6,8 @@
 2. The averaging emulation on network namespaces (``bench.emulate_averaging``, needs root; a "skipped" row
    elsewhere): ``averaging_emu.json``.
 3. Both side by side: ``averaging.json`` (a list of rows with ``mode`` "sim" or "emu") and ``averaging.md``.
+
+How each bench measures, and what the figures mean: docs/benchmarks.md.
 """
 
 from __future__ import annotations

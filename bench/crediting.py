@@ -4,7 +4,7 @@
 
 Peers are rows in the issued-token table (no RSA work) and records built in memory; the time measured is
 ``credit_epochs`` on a migrated SQLite database in a temporary folder: inserting the claims and receipts and
-settling every claim.
+settling every claim. See docs/benchmarks.md#crediting-bench.
 """
 
 from __future__ import annotations

@@ -3,54 +3,15 @@
     python -m bench.emulate_averaging [--rounds N] [--profile NAME ...] [--out bench/results/averaging_emu.json]
     python -m bench.emulate_averaging --quick --out PATH      # one short profile, for the test suite
 
-Four peers, each in its own network namespace, hang off one bridge in a fifth namespace (a star). Every link is
-shaped with ``tc tbf``: upload on the peer's side of its veth pair, download on the bridge's side. TCP uses CUBIC
-(a per-route ``congctl``: this kernel refuses a non-default congestion control through the namespace's sysctl
-because ``tcp_allowed_congestion_control`` is ``reno bbr``; every connection between peers is checked with ``ss``).
-Each peer averages a 10 MB fp32 vector (V = 10^7 bytes) with a ``PlannedAverager`` (``dedloc_worker.averaging``),
-over real sockets, several rounds per profile, the modes interleaved within each round:
+Four peers, each in its own network namespace, hang off one bridge in a fifth namespace (a star); every link is
+shaped with ``tc tbf`` and TCP uses CUBIC. Each peer averages a 10 MB fp32 vector with a ``PlannedAverager``
+(``dedloc_worker.averaging``), several rounds per profile, the modes (ring: gloo's all-reduce; equal; hivemind:
+hivemind's own split; planner: ``app.planner.plan_averaging``) interleaved and rotated within each round. Every
+round is checked against the true mean; a failed round is counted, left out of the median and retried.
 
-- ring: ``torch.distributed`` gloo ``all_reduce`` (a ring all-reduce) between the same namespaces;
-- equal: hivemind with no bandwidth announced (it splits the vector equally between peers that accept
-  connections);
-- hivemind: hivemind's own split, each peer announcing ``min(upload, download)`` in Mbit/s as its bandwidth;
-- planner: the shares of ``app.planner.plan_averaging``, applied with ``PlannedAverager.set_plan``.
-
-A round's time runs from the first peer starting its all-reduce (after matchmaking) to the last one finishing.
-Every round averages fresh seeded vectors; every peer checks its result against the true mean. A round that
-raised, that hivemind flagged (its "received X% results" warning, or parts missing in the runner), or whose mean
-is wrong is a failed round: counted by kind, left out of the median, and retried up to twice. (hivemind 1.1.12
-now and then loses the last part of a stream: in the logs, the aggregator's p2pd resets the stream as the handler
-closes it, before the sender has read the part. The planner's groups end a stream only once its last result is in:
-0 of 80 planner rounds lost a part that way, against 5 of 70 before.)
-``lower_bound`` is ``app.planner.lower_bound_seconds`` for the nominal link rates, without hold-back: the planner's
-groups run ``StreamingAllReduceRunner``, which returns results to zero-share and client-mode peers while they
-upload, so the bound is the links' own (equal and hivemind, plain hivemind, still hold back). A client-mode peer
-carries exactly V each way, so the rest falls on the peers that aggregate (nat-4x100: 1.33 s, not 1.2 s).
-
-Two settings, the same for every mode and written into every row: tbf queues of ``--queue-ms`` (20 ms at the
-link's rate, a 16 KB bucket) and hivemind parts of ``--part-kib`` (the worker's ``GRADIENT_PART_BYTES``, 128 KiB;
-hivemind's default is 512 KiB, with which the results sent back to a slow peer trail its upload by a whole part).
-
-Modes share the peers and their connections, and a round leaves its connections in a state the next one inherits,
-so each round starts one mode further on: every mode follows every other equally often.
-
-Why plain hivemind's rounds run slower than the links, and what the planner's groups do about it (measured on
-400 + 3 x 50 with per-0.25 s byte counters of each tbf): each pair of peers shares one TCP connection, and a peer
-pushes its parts into it as fast as the local buffers take them (the kernel autotunes the send buffer up to
-4 MiB: seconds of a 12.5 Mbit/s uplink). The muxer's flow-control messages for the other direction wait behind
-that data, so a slow peer's upload and download took turns instead of overlapping (7.4-9.9 s a round, 6.4 s
-bound; raw TCP both ways at once: 6.76 s). ``StreamingAllReduceRunner`` sends an aggregator at most
-``IN_FLIGHT_PARTS`` (4) parts ahead of the results that came back from it: 7.1-7.9 s. Two rounds each of other
-windows: 2 x 128 KiB 7.1-7.2 s, 8 x 128 KiB 7.3-7.7 s, 2 x 512 KiB 8.2-8.7 s, 1 part 13.2 s (no overlap at all).
-What keeps 4 x 100 at ~1.25-1.3x is not the CPU, though four peers at 150 Mbit/s each keep 2 cores ~90% busy (3.5
-CPU-seconds per 1.5 s round: p2pd 1.3, mostly syscalls, the peers' Python 1.6, network softirq 0.8): with a 64 KB
-tbf bucket, which stops tbf cutting GSO packets, the CPU was 40-60% busy and 12 planner rounds took the same median
-(1.50 s, against 1.505 s with 16 KB). In 0.1 s samples the links run at ~85% of their rate, with dips, likely from
-hivemind's reducer, which takes parts strictly in order, each once every sender's copy has come (one late part
-holds up every stream; not pinned down). Windows of 2 / 4 / 8 / 32 parts: medians 1.59 / 1.50 / 1.52 / 1.55 s over
-9-12 rounds; the bench's rotation (after gloo and plain hivemind rounds) measures the same split at ~1.58 s. gloo's
-ring, with no daemon, no encryption and no reducer, reaches 1.29 s of the 1.2 s bound.
+How it measures, what each setting is for and what it found (hold-back, the window of parts in flight, part size,
+the drain, what limits 4x100): docs/benchmarks.md#averaging-emulation and
+docs/benchmarks.md#averaging-emulation-findings. Current figures: bench/results/averaging.md.
 
 The bench needs root (namespaces); without it, it writes one "skipped" entry and exits 0. It talks only to
 addresses inside the namespaces it creates, and removes them, and every process it started, even on Ctrl-C.
@@ -86,12 +47,11 @@ MODES = ("ring", "equal", "hivemind", "planner")
 SUBNET = "10.47.0"
 RING_PORT = 29500
 BURST_BYTES = 16384  # tbf bucket; larger GSO packets are split by tbf itself
-QUEUE_MS = 20.0  # default tbf queue, milliseconds at the link's rate (see the module doc)
-PART_BYTES = GRADIENT_PART_BYTES  # hivemind's part_size_bytes for every mode, the worker's (see the module doc)
+QUEUE_MS = 20.0  # default tbf queue, milliseconds at the link's rate (docs/benchmarks.md#settings)
+PART_BYTES = GRADIENT_PART_BYTES  # hivemind's part_size_bytes, every mode: the worker's (docs/benchmarks.md#part-size)
 MATCHMAKING_S = 1.0  # hivemind's min_matchmaking_time; the group starts early once all four peers joined
 REPLY_TIMEOUT_S = 180.0
-ROUNDS = 9  # per mode and profile: single rounds spread +-15% on this shared machine, and 5-round medians of one
-# split moved by 5% between runs (4x100: 1.50-1.58 s)
+ROUNDS = 9  # per mode and profile: rounds spread widely here (docs/benchmarks.md#spread-between-runs)
 RETRIES = 2  # a failed round is retried this many times (each failure is counted and reported)
 FAILURE_KINDS = ("error", "partial", "wrong")  # raised / flagged by hivemind ("received X%") / silently wrong
 RESULT_TOLERANCE = 1e-5  # max |result - true mean| for fp32 means of four N(0, 1) values
@@ -174,7 +134,7 @@ class Star:
                 sh("ip", "-n", ns, "route", "replace", f"{SUBNET}.0/24", "dev", "eth0", "congctl", "cubic")
                 sh("ip", "-n", ns, "route", "replace", "table", "local", "local", self.ip(i), "dev", "eth0",
                    "proto", "kernel", "scope", "host", "src", self.ip(i), "congctl", "cubic")
-                if sndbuf_bytes:  # a host setting of the peer, not of the link (see the module doc)
+                if sndbuf_bytes:  # a host setting of the peer, not of the link (docs/benchmarks.md#send-buffer-cap)
                     sh("ip", "netns", "exec", ns, "sysctl", "-q", "-w",
                        f"net.ipv4.tcp_wmem=4096 16384 {sndbuf_bytes}")
                 shape(ns, "eth0", link.up, queue_ms)  # upload: what leaves the peer
@@ -413,8 +373,8 @@ def run_profile(name: str, profile: Profile, rounds: int, vector_bytes: int, net
         commands = {
             "ring": [dict(cmd="ring")] * len(peers),
             "equal": [dict(cmd="average")] * len(peers),
-            # in Mbit/s, the unit of hivemind's examples; the unit matters: its interior-point LP leaves the slow
-            # peers of 400+3x50 a few elements at 12.5e6 vs 1.5625e6 (bytes/s), exactly none at 100 vs 12.5
+            # in Mbit/s, the unit of hivemind's examples; the unit changes which slow peers get exactly zero
+            # (docs/benchmarks.md#unit-of-the-announced-bandwidth)
             "hivemind": [dict(cmd="average", bandwidth=min(link.up, link.down)) for link in profile.links],
             "planner": [dict(cmd="average", shares=plan.shares)] * len(peers),
         }

@@ -8,6 +8,7 @@ Every peer averages V = 10^8 bytes (100 MB, 25 million fp32 values; the paper's 
 plain-hivemind strategies, none for the planner, whose groups stream results to every peer), so the output is
 deterministic: a simulation, not a measurement on emulated links. ``--scale N`` also times the
 planner on N seeded random peers; that timing is printed only, never written, to keep the JSON deterministic.
+See docs/benchmarks.md#averaging-simulation.
 """
 
 from __future__ import annotations

@@ -26,11 +26,9 @@ from ..models import AveragingPlanRow, Run
 from ..planner import PeerProfile, Plan, PlanningError, Replanner
 
 logger = logging.getLogger("dedloc.coordinator")
-# Share of the vector the live plan spreads evenly over the senders, at most. hivemind hands out whole parts (a
-# tensor, or GRADIENT_PART_BYTES of one), so a peer with a sliver of the vector aggregates no part at all; then
-# nobody sees the main aggregator's weight and its samples cannot be attested (held "alone", seen with a 99.9% /
-# 0.03% / 0.03% plan). Each sender is given ATTESTATION_PARTS parts' worth, or its even slice of ATTESTATION_SHARE
-# where the vector is too small for that (a test model of 0.5 MB: four parts are all of it).
+# Share of the vector the live plan spreads evenly over the senders, at most. hivemind hands out whole parts, so a
+# peer given a sliver aggregates nothing and cannot attest the others: each sender gets ATTESTATION_PARTS parts'
+# worth, or its even slice of ATTESTATION_SHARE on a small vector (docs/averaging.md#attestation-floor).
 ATTESTATION_SHARE = 0.5
 ATTESTATION_PARTS = 2
 

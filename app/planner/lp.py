@@ -1,25 +1,16 @@
 """Adaptive averaging: a linear program chooses which share of the vector each peer aggregates.
 
-Round model (butterfly, i.e. partitioned all-reduce, as hivemind runs it), for a vector of V bytes:
+Round model (butterfly, i.e. partitioned all-reduce, as hivemind runs it), for a vector of V bytes: a sender i
+with share s_i moves (1 + (n_s - 2) s_i) V bytes each way, an auxiliary peer n_s s_j V; both directions run at
+once, so a peer needs max(up / u, down / d) seconds and the round lasts as long as its slowest peer.
 
-- The senders are every peer but the auxiliary ones (client-mode peers send too); there are n_s of them.
-- Peer j aggregates share s_j: it receives part j (s_j V bytes) from every other sender, averages it and sends
-  the result back to each of them.
-- A sender i uploads (1 - s_i) V of its own vector to the other aggregators plus (n_s - 1) s_i V of averaged
-  parts, and downloads the same amounts: (1 + (n_s - 2) s_i) V bytes in each direction.
-- An auxiliary peer j uploads and downloads n_s s_j V bytes.
-- Parts stream in chunks and both directions run at once, so a peer needs max(up / u, down / d) seconds and the
-  round lasts as long as its slowest peer.
+Hold-back (hivemind 1.1.12, docs/averaging.md#hold-back): a zero-share sender needs up / u + down / d seconds; the
+planner keeps every other sender off it with a floor share (``HOLD_BACK_FLOOR / n_s``). ``hold_back=False`` models
+a runner without it.
 
-Hold-back (measured on hivemind 1.1.12, ``AllReduceRunner.should_delay_results``): an aggregator returns averaged
-parts to a peer whose share is exactly zero only after that peer has finished uploading to it, so a zero-share
-sender needs up / u + down / d seconds. Client-mode peers must have share zero and always pay this. The planner
-avoids it for every other sender with a floor share (default ``HOLD_BACK_FLOOR / n_s``, which adds under 0.1%
-to that peer's traffic) that keeps it on the parallel path. ``hold_back=False`` models a hivemind without it.
-
-The LP has one variable per peer that may aggregate, plus the round time T, and two rows per such peer:
-``V / u_j * (load_j * s_j + base_j) <= T`` for upload and the same with d_j for download, with
-``sum_j s_j = 1`` and ``floor_j <= s_j <= 1``; client-mode peers' fixed time is added afterwards. Its size is O(n).
+The LP has one variable per peer that may aggregate, plus the round time T, and two rows per such peer; client-mode
+peers' fixed time is added afterwards. Its size is O(n). Details: docs/averaging.md#round-model and
+docs/averaging.md#planner-lp.
 """
 
 from __future__ import annotations
@@ -142,9 +133,8 @@ def _solve_shares(swarm: _Swarm, floor: float, hold_back: bool) -> np.ndarray:
     )
     b_ub = -np.concatenate([per_up * base, per_down * base])
     lower = np.where(swarm.sends[idx], floor, 0.0)
-    # Client-mode peers' time does not depend on the shares, so it stays out of the LP: as a floor under T it made
-    # every split that kept the others below it optimal, and highs then returned a lopsided vertex (measured on
-    # emulated links: 1.3x slower than an equal split). The round time is still the max over all peers.
+    # Client-mode peers' time does not depend on the shares, so it stays out of the LP: as a floor under T it let
+    # highs return a lopsided vertex (docs/averaging.md#planner-lp). The round time is still the max over all peers.
     bounds = [(low, 1.0) for low in lower] + [(0.0, None)]
     cost = np.zeros(size + 1)
     cost[-1] = 1.0  # minimise T
@@ -169,15 +159,15 @@ def round_seconds(
 
 
 def lower_bound_seconds(peers: Iterable[PeerProfile], vector_bytes: float, *, hold_back: bool = True) -> float:
-    """Seconds no averaging round of these peers can beat (bench-notes.md), adapted to aux and client peers.
+    """Seconds no averaging round of these peers can beat (docs/benchmarks.md#lower-bounds), adapted to aux and
+    client peers.
 
     ``max(V / min u_i, V / min d_i, 2 (n_s - 1) V / sum u_j, 2 (n_s - 1) V / sum d_j)``, where the minima run over
     the n_s senders (each moves at least V each way when n_s >= 2) and the sums over every peer that can carry
     traffic (senders and aggregating aux peers), since a round moves at least 2 (n_s - 1) V bytes each way.
     A client-mode sender never aggregates, so it moves exactly V each way, in sequence under hold-back:
     ``V / u_i + V / d_i`` (``max`` of the two without hold-back); and the rest of the volume, ``2 (n_s - 1) V - c V``
-    for c client-mode senders, falls on the peers that aggregate (4 x 100 Mbit/s with one behind NAT: 1.33 s for
-    10 MB, where the sums over every peer gave 1.2 s, which no split can reach).
+    for c client-mode senders, falls on the peers that aggregate.
     """
     return _lower_bound(_Swarm(peers, vector_bytes), hold_back)
 

@@ -1,7 +1,7 @@
 """Admission: no peer without a valid token of this run gets anything out of this process.
 
 hivemind's ``authorizer`` protects only the DHT (ping, store, find). Matchmaking, all-reduce parts and state
-download are open to any libp2p peer that knows one address (hivemind-notes.md, "Authorization"). So:
+download are open to any libp2p peer that knows one address (docs/hivemind.md#authorization). So:
 
 - ``RunAuthorizer`` (a ``TokenAuthorizerBase``) guards the DHT: the caller's token must be signed by the run's
   authority, unexpired, and not of a banned user.

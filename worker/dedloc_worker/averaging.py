@@ -1,41 +1,11 @@
 """Averaging with the planner's split of the vector instead of hivemind's own bandwidth-based split.
 
-hivemind 1.1.12 splits the averaged vector between the peers of a group by an LP over one announced bandwidth per
-peer (``load_balancing.load_balance_peers``). The coordinator's planner chooses better shares (upload and download
-apart, hold-back modelled); ``PlannedAverager.set_plan`` applies them.
+hivemind 1.1.12 splits the averaged vector by an LP over one announced bandwidth per peer; the coordinator's
+planner chooses better shares, and ``PlannedAverager.set_plan`` applies them. Each peer announces its share with
+its matchmaking metadata (``PLAN_MARKER``), so every member computes the same split (``planned_fractions``), and
+planned groups run ``StreamingAllReduceRunner`` (no hold-back, a window of parts in flight).
 
-How a plan reaches the all-reduce, so that every peer of a group uses the same split:
-
-1. Each peer announces its own share with its matchmaking metadata: ``step`` wraps the caller's ``gather`` as
-   ``[PLAN_MARKER, share, gather]`` (``share`` is None without a plan, or when the plan does not name the peer).
-2. Once the group is formed, every member holds the same metadata of every member, so ``planned_fractions``, a
-   pure function of it, gives every member the same split (two peers holding different plans, say during a plan
-   update, still agree: each peer's share is what that peer announced). Planned peers split what the unplanned
-   ones do not take, in proportion to their shares; unplanned peers keep hivemind's own fraction; client-mode
-   peers get zero. A group where nobody announced a share, or with a member that is not a ``PlannedAverager``
-   (no marker: it computes hivemind's split itself), uses hivemind's split unchanged.
-3. The split goes to hivemind's ``_run_allreduce_inplace_`` exactly where hivemind passes its own.
-
-Trust: a member can announce any share, as it can announce any bandwidth to hivemind's own split (which gives a
-peer claiming a huge bandwidth the whole vector). Checking announced shares against the coordinator's signed plan
-is left to the code that fetches the plan.
-
-Hold-back: hivemind returns averaged parts to a peer whose fraction is exactly zero (a client-mode peer, or one
-the split gives nothing) only after that peer has finished uploading (``AllReduceRunner.should_delay_results``),
-so it pays upload plus download in sequence. Planned groups run ``StreamingAllReduceRunner``, which streams
-results to every peer at once, with a window of parts in flight per aggregator; groups without a plan, or with a
-member that is not a ``PlannedAverager``, keep hivemind's runner, hold-back included (both ends of a stream must
-agree on it).
-
-hivemind internals relied on (``tests/test_averaging_plan.py`` pins each, so that an upgrade fails loudly):
-``DecentralizedAverager.step`` sending ``[bandwidth, mode, gather]`` as each peer's metadata;
-``_aggregate_with_group(group_info, min_vector_size, **kwargs)`` (replaced here) and
-``_run_allreduce_inplace_`` (copied here with the runner's class as a parameter); both ends of a stream asking
-``should_delay_results``; ``_generate_input_for_peer`` and ``tensor_part_container.register_processed_part``
-(the window); the runner kept in
-``_running_groups[group_id]`` until the step ends; ``AllReduceRunner.parts_for_local_averaging``,
-``tensor_part_container.failed_size`` and ``tensor_part_reducer.num_parts_received``; the control pipe
-(``_outer_pipe``) that runs ``_get_last_round`` in the averager's process.
+Design, trust and the hivemind internals relied on (pinned by ``tests/test_averaging_plan.py``): docs/averaging.md.
 """
 
 from __future__ import annotations
@@ -150,27 +120,17 @@ class RoundRecord:
 
 
 IN_FLIGHT_PARTS = 4
-"""Parts a peer sends an aggregator ahead of the averaged results that came back from it (see
-``StreamingAllReduceRunner``). 1 would serialize upload and download; 4 x 128 KiB kept 400 + 3 x 50 at 7.1-7.7 s
-per round (6.4 s bound) where an unlimited stream took 7.4-9.9 s, and left 4 x 100 as it was."""
+"""Parts a peer sends an aggregator ahead of the averaged results that came back from it: 1 would serialize upload
+and download, unlimited starves the download (docs/benchmarks.md#window-of-parts-in-flight)."""
 
 
 class StreamingAllReduceRunner(AllReduceRunner):
     """hivemind's all-reduce without the hold-back, and with a window: averaged parts go back to every peer as
     they are ready, and a peer sends an aggregator at most ``IN_FLIGHT_PARTS`` parts ahead of their results.
 
-    Hold-back: hivemind returns results to a peer whose fraction is zero (a client-mode peer, or one the split
-    gives nothing) only after that peer has finished uploading, so such a peer pays upload plus download in
-    sequence; on a full-duplex link it can do both at once (the planner's model for planned groups:
-    ``hold_back=False``). Both ends of a stream consult ``should_delay_results``, so every member of a group must
-    use the same runner: only planned groups, in which every member announced ``PLAN_MARKER``, use this one.
-
-    Window: two peers share one connection both ways, and the libp2p muxer's flow-control messages for one
-    direction queue behind whatever the other direction has buffered (the kernel's send buffer grows to MiBs, seconds
-    of a slow uplink). An unlimited upload then starves the download it should overlap with: measured on 400 + 3 x
-    50, a slow peer's upload and download took turns. The window bounds what waits in the buffers, and needs no
-    link rate. It is safe only without hold-back (a held-back peer would wait for results that wait for its last
-    part), and each sender decides it alone, so peers of different windows still agree.
+    Both ends of a stream consult ``should_delay_results``, so only planned groups (every member announced
+    ``PLAN_MARKER``) use this runner. The window is safe only without hold-back, and each sender decides it alone.
+    Why: docs/averaging.md#hold-back and docs/averaging.md#window.
 
     :ivar most_in_flight: the most parts this peer had sent one aggregator without its results back
     """
@@ -202,9 +162,8 @@ class StreamingAllReduceRunner(AllReduceRunner):
             self._in_flight[peer_index] += 1
             self.most_in_flight = max(self.most_in_flight, self._in_flight[peer_index])
             yield message
-        # End the stream only once every result is in: the aggregator closes its side as soon as the stream ends,
-        # and in hivemind 1.1.12 that close can reset the stream before its last result is read ("received 99.6%
-        # results"; 5 of 70 planned rounds on emulated links, 0 of 80 since).
+        # End the stream only once every result is in: the aggregator's close can reset the stream before its
+        # last result is read (docs/averaging.md#drain).
         for _ in range(IN_FLIGHT_PARTS):
             await window.acquire()
 
@@ -343,9 +302,8 @@ class PlannedGradientAverager(GradientAverager, PlannedAverager):
 def guard_weightless_parts() -> None:
     """Make a part whose senders all carry weight 0 average to zeros instead of 0/0 = NaN. Call before forking.
 
-    hivemind divides each aggregated part by its senders' total weight. An auxiliary peer sends nothing, so a
-    group of it and a trainer that has just reloaded state (0 samples accumulated) divides 0 by 0, and the NaN
-    spreads through state averaging to the whole swarm (seen here: every trainer's loss became NaN). hivemind's
+    A group of an auxiliary peer and a trainer that has just reloaded state carries weight 0, and the NaN spreads
+    to the whole swarm (docs/hivemind.md#pitfalls, pitfall 6). The patched
     ``TensorPartReducer.check_current_part_finished`` is pinned by tests/test_averaging_plan.py.
     """
     from hivemind.averaging.partition import TensorPartReducer

@@ -21,8 +21,7 @@ API_PREFIX = "/api/v1"
 RECENT_EPOCHS_KEPT = 32
 # hivemind's part_size_bytes for gradient averaging (its default is 512 KiB): the unit in which the vector is split
 # between aggregators and streamed, so the coordinator plans with it. Smaller parts let results trail uploads by
-# less; with the worker's window of parts in flight, 400 + 3 x 50 Mbit/s ran at 1.13x its bound
-# (bench/emulate_averaging.py).
+# less (docs/benchmarks.md#part-size).
 GRADIENT_PART_BYTES = 2**17
 
 

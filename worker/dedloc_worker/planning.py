@@ -22,8 +22,8 @@ PLAN_POLL = 1.0  # seconds between two reads of the run's plan: a new plan reach
 class PlanFollower(threading.Thread):
     """Keeps the gradient averager on the newest authentic plan and the link report current.
 
-    A DHT read takes 0.1-1 s on a busy machine: done in the training loop it made peers late for matchmaking
-    and split rounds, so this thread reads the plan and the loop only applies what it found.
+    A DHT read is slow on a busy machine and made peers late for matchmaking when done in the training loop
+    (docs/hivemind.md#throughput-on-shared-cores), so this thread reads the plan and the loop only applies it.
 
     :param link: what this peer measured of its link at join (bandwidths in bytes per second) and its role
     :param check: ``admission.TokenCheck`` holding the run's authority key, which signs plans

@@ -2,7 +2,7 @@
 
 Writers sign with the process's RSA key (the record's subkey is the owner's public key, so no peer can overwrite
 another's record). Readers must register the same validators, or ``get`` on a signed key never resolves
-(hivemind-notes.md, pitfall 5): ``add_record_validators`` is the one place that does it.
+(docs/hivemind.md#pitfalls, pitfall 5): ``add_record_validators`` is the one place that does it.
 """
 
 from __future__ import annotations

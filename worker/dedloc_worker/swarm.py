@@ -1,6 +1,6 @@
 """Joining a run's swarm: the DHT node and the collaborative optimizer, with hivemind's pitfalls handled.
 
-The pitfalls (../shared/hivemind-notes.md) and where each is handled:
+The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled:
 1. ``client_mode`` is passed to the Optimizer explicitly, always (``create_optimizer``).
 2. Gradient-averager options go through ``grad_averager_factory``, not ``averager_opts`` (``create_optimizer``).
 3. Child processes outliving a killed parent: the launcher ends the whole process group (``dedloc_worker.processes``).
