@@ -3,19 +3,27 @@ PYTHON ?= $(shell command -v python3.11 || command -v python3)
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+WHEELS := app/wheels/.built
 
 .PHONY: setup demo test bench clean
 
-setup: $(STAMP)
+# The wheels the portal serves to volunteers; an installed portal carries them (setup.py builds them the same way).
+WHEEL_SOURCES := $(shell find common worker -name '*.py' -o -name pyproject.toml 2>/dev/null)
+$(WHEELS): $(STAMP) $(WHEEL_SOURCES)
+	rm -rf app/wheels
+	$(BIN)/python -c "import pathlib, runpy; runpy.run_path('setup.py')['build_volunteer_wheels'](pathlib.Path('app/wheels'))" >/dev/null
+	touch $@
+
+setup: $(STAMP) $(WHEELS)
 
 # torch first and alone: a CPU wheel of 2.13.0 lies on local disk; letting hivemind pull torch would fetch CUDA.
 # pip compiles bytecode on one core; compileall on every core afterwards saves ~10 s of set-up here (a few files,
 # like torch's Python 3.12 samples, cannot compile on 3.11: they only stay uncompiled, so that status is ignored).
-$(STAMP): constraints.txt pyproject.toml worker/pyproject.toml
+$(STAMP): constraints.txt pyproject.toml setup.py worker/pyproject.toml common/pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-compile -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q --no-compile -c constraints.txt -e worker -e '.[test]'
+	$(BIN)/pip install -q --no-compile -c constraints.txt -e common -e worker -e '.[test]'
 	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') >/dev/null || true
 	touch $@
 

@@ -16,13 +16,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from dedloc_worker.contract import EpochContribution, MetricsRecord
+from dedloc_common.contract import EpochContribution, MetricsRecord
 
-from app import runs
-from app.accounting import SignedMetrics
-from app.crediting import credit_epochs
-from app.db import make_engine, make_sessionmaker, migrate
-from app.models import PeerTokenRecord, utcnow
+from app.runs import registry
+from app.credit.ledger import SignedMetrics
+from app.credit.settlement import credit_epochs
+from app.core.database import make_engine, make_sessionmaker, migrate
+from app.core.clock import utcnow
+from app.models import PeerTokenRecord
 
 GROUP_SIZE = 16
 SAMPLES = 100
@@ -62,7 +63,7 @@ def main(argv=None) -> int:
         engine = make_engine(url)
         times = []
         with make_sessionmaker(engine)() as session:
-            run = runs.create_run(session, slug="bench", title="Bench")
+            run = registry.create_run(session, slug="bench", title="Bench")
             for epoch in range(1, args.repeats + 1):
                 records = simulated_epoch(session, run, args.peers, epoch)
                 started = time.perf_counter()

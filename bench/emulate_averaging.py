@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from dedloc_worker.contract import GRADIENT_PART_BYTES
+from dedloc_common.contract import GRADIENT_PART_BYTES
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = Path("bench/results/averaging_emu.json")

@@ -23,10 +23,10 @@ from pathlib import Path
 
 import httpx
 
-from app.db import make_engine, make_sessionmaker
-from app.processes import spawn, stop
-from app.runs import get_run
-from app.snapshots import record_snapshot
+from app.core.database import make_engine, make_sessionmaker
+from app.core.processes import spawn, stop
+from app.runs.registry import get_run
+from app.runs.snapshots import record_snapshot
 
 SLUG = "bench"
 

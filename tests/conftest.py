@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from app.db import make_engine, make_sessionmaker, migrate
+from app.core.database import make_engine, make_sessionmaker, migrate
 from tests.harness import Deployment, free_port
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -22,9 +22,9 @@ from sqlalchemy import func, select
 
 from dedloc_worker.join import CREDENTIAL_ENV
 
-from app.db import make_engine, make_sessionmaker
+from app.core.database import make_engine, make_sessionmaker
 from app.models import Contribution
-from app.processes import kill_group, spawn, stop
+from app.core.processes import kill_group, spawn, stop
 
 TAG = "DEDLOC_TEST_TAG"
 

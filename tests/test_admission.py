@@ -9,8 +9,8 @@ from datetime import datetime, timedelta, timezone
 import hivemind
 import pytest
 from dedloc_worker.admission import AdmissionState, TokenCheck, admitted_peers, guard_handlers, parse_expiration
-from dedloc_worker.contract import token_payload
-from dedloc_worker.signing import new_private_key, peer_id_of, public_openssh, sign
+from dedloc_common.contract import token_payload
+from dedloc_common.signing import new_private_key, peer_id_of, public_openssh, sign
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon import P2PContext
 from hivemind.proto import crypto_pb2
@@ -18,9 +18,11 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from app import runs, tokens
-from app.config import Settings
-from app.errors import Forbidden, Invalid, TooManyRequests
+from app.runs import registry
+
+from app.authority import tokens
+from app.core.config import Settings
+from app.core.errors import Forbidden, Invalid, TooManyRequests
 
 
 def make_token(authority, username: str, peer_key: RSAPrivateKey, lifetime: float = 600) -> AccessToken:
@@ -103,7 +105,7 @@ def test_guard_wraps_every_non_dht_handler(tmp_path):
 @pytest.fixture
 def run(sessions):
     with sessions() as session:
-        yield session, runs.create_run(session, slug="adm", title="Admission")
+        yield session, registry.create_run(session, slug="adm", title="Admission")
 
 
 def test_issued_tokens_are_recorded_and_verify(run, tmp_path):
@@ -177,7 +179,7 @@ def test_an_expired_token_with_the_portal_unreachable_stops_the_worker_with_word
 
 
 def test_organizations_come_from_the_orgs_claim():
-    from app.auth.oidc import organizations_of
+    from app.identity.oidc import organizations_of
 
     assert organizations_of({"orgs": [{"preferred_username": "bigscience"}, {"name": "huggingface"}, "plain"]}) == (
         "bigscience", "huggingface", "plain")

@@ -9,9 +9,9 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from fastapi.testclient import TestClient
 
-from app import runs
-from app.config import Settings
-from app.snapshots import record_snapshot
+from app.runs import registry
+from app.core.config import Settings
+from app.runs.snapshots import record_snapshot
 from app.web.main import create_app
 from tests.test_database import contribution, seed_credit
 
@@ -19,7 +19,7 @@ from tests.test_database import contribution, seed_credit
 @pytest.fixture
 def client(database_url, sessions, tmp_path):
     with sessions() as session:
-        run = runs.create_run(session, slug="demo", title="Demo run", target_batch_size=4096)
+        run = registry.create_run(session, slug="demo", title="Demo run", target_batch_size=4096)
         seed_credit(session, run, "k1", "alice", contribution(0, 300), contribution(1, 200))
         seed_credit(session, run, "k2", "bob", contribution(1, 700))
         start = datetime.now(timezone.utc) - timedelta(minutes=5)
@@ -63,7 +63,7 @@ def test_join_info_offers_only_live_coordinators(client, sessions):
     info = client.get("/api/v1/runs/demo/join").json()
     assert info["initial_peers"] == [] and info["config"]["target_batch_size"] == 4096
     with sessions() as session:
-        runs.register_coordinator(session, runs.get_run(session, "demo"), "QmPeer", ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"])
+        registry.register_coordinator(session, registry.get_run(session, "demo"), "QmPeer", ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"])
     assert client.get("/api/v1/runs/demo/join").json()["initial_peers"] == ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"]
 
 

@@ -11,15 +11,17 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import pytest
-from dedloc_worker.contract import token_payload
-from dedloc_worker.signing import new_private_key, sign
+from dedloc_common.contract import token_payload
+from dedloc_common.signing import new_private_key, sign
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey
 
-from app import runs, tokens
-from app.processes import group_members
-from app.config import Settings
-from app.db import make_engine, make_sessionmaker
+from app.runs import registry
+
+from app.authority import tokens
+from app.core.processes import group_members
+from app.core.config import Settings
+from app.core.database import make_engine, make_sessionmaker
 from tests.harness import wait_for
 
 pytestmark = pytest.mark.swarm
@@ -62,7 +64,7 @@ def test_no_token_forged_expired_stolen_or_banned_gets_nothing_and_a_killed_peer
     settings = Settings(data_dir=deployment.workdir / "var")
     engine = make_engine(deployment.database_url)
     with make_sessionmaker(engine)() as session:
-        run = runs.get_run(session, deployment.slug)
+        run = registry.get_run(session, deployment.slug)
         authority = tokens.authority_key(session, settings, run)
         mallory_key = RSAPrivateKey()
         mallory = signed_token(authority, "mallory", mallory_key, 600)

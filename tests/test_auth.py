@@ -24,11 +24,11 @@ from fastapi.testclient import TestClient
 from joserfc.jwk import RSAKey
 from sqlalchemy import inspect, select
 
-from app.auth.device import DevicePolicy
-from app.auth.models import ApiCredential, DeviceCode, User
-from app.config import Settings
-from app.db import downgrade, make_engine, migrate
-from app.models import utcnow
+from app.identity.device import DevicePolicy
+from app.identity.models import ApiCredential, DeviceCode, User
+from app.core.config import Settings
+from app.core.database import downgrade, make_engine, migrate
+from app.core.clock import utcnow
 from app.web.auth_routes import device_policy
 from app.web.main import create_app
 from tests.oidc_provider import LoopbackServer, OidcProvider

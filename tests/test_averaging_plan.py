@@ -21,7 +21,7 @@ from dedloc_worker.averaging import (
     RoundRecord,
     planned_fractions,
 )
-from dedloc_worker.cleanup import _is_torch_shm_manager, descendants
+from dedloc_common.cleanup import _is_torch_shm_manager, descendants
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
 from hivemind.optim.grad_averager import GradientAverager

@@ -11,13 +11,13 @@ import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from app import runs
-from app.accounting import leaderboard
-from app.auth.models import User
-from app.config import Settings
-from app.credit_review import REASON_LENGTH, released_reason
+from app.runs import registry
+from app.credit.ledger import leaderboard
+from app.identity.models import User
+from app.core.config import Settings
+from app.credit.review import REASON_LENGTH, released_reason
 from app.models import Contribution, Peer
-from app.standings import team_leaderboard
+from app.credit.standings import team_leaderboard
 from app.web.main import create_app
 
 ALICE_KEY, ALICE_KEY_2 = "ab12cd34" + "5" * 56, "ef56ab78" + "9" * 56
@@ -37,8 +37,8 @@ def add(session, run, username, key, epoch, samples, credited=None, reason=None)
 def populate(session) -> None:
     """Two runs. demo: alice 600 credited and 400 held (two reasons), bob 700, the hidden carol 5,000, ghost (no
     user row) 50. second: alice 1,000, dave (no team) 200 and 20 held. alice, bob and carol are in team hf-org."""
-    demo = runs.create_run(session, slug="demo", title="Demo run")
-    second = runs.create_run(session, slug="second", title="Second run")
+    demo = registry.create_run(session, slug="demo", title="Demo run")
+    second = registry.create_run(session, slug="second", title="Second run")
     session.add_all([
         User(username="alice", team="hf-org", organizations=["hf-org", "other-org"]),
         User(username="bob", team="hf-org", organizations=["hf-org"]),
@@ -100,7 +100,7 @@ def rows(board, *fields):
 def test_boards_sum_credited_and_held_by_user_and_by_team(sessions):
     with sessions() as session:
         populate(session)
-        demo, second = runs.get_run(session, "demo"), runs.get_run(session, "second")
+        demo, second = registry.get_run(session, "demo"), registry.get_run(session, "second")
         fields = ("username", "samples", "held_samples", "team", "peers")
         assert rows(leaderboard(session, demo), *fields) == [
             ("bob", 700, 0, "hf-org", 1), ("alice", 600, 400, "hf-org", 1), ("ghost", 50, 0, None, 1)]

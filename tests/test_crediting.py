@@ -3,18 +3,18 @@
 from __future__ import annotations
 
 import pytest
-from dedloc_worker.contract import EpochContribution, MetricsRecord, record_key_of
+from dedloc_common.contract import EpochContribution, MetricsRecord, record_key_of
 from hivemind.utils.crypto import RSAPrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app import runs
-from app.accounting import SignedMetrics, samples_total
-from app.config import Settings
-from app.crediting import ALONE, NO_TOKEN, Decision, credit_epochs, decide
-from app.db import make_engine, make_sessionmaker, migrate
+from app.runs import registry
+from app.credit.ledger import SignedMetrics, samples_total
+from app.core.config import Settings
+from app.credit.settlement import ALONE, NO_TOKEN, Decision, credit_epochs, decide
+from app.core.database import make_engine, make_sessionmaker, migrate
 from app.models import Contribution
-from app.tokens import issue_peer_token
+from app.authority.tokens import issue_peer_token
 
 
 def test_decide_credits_what_others_confirmed_up_to_the_ceiling():
@@ -37,7 +37,7 @@ class Peer:
         key = RSAPrivateKey().get_public_key().to_bytes()
         self.key, self.username = record_key_of(key), username
         grant = issue_peer_token(session, Settings(data_dir=tmp_path), run, username, key.decode())
-        from dedloc_worker.signing import peer_id_of
+        from dedloc_common.signing import peer_id_of
 
         self.peer_id = peer_id_of(grant.token.public_key)
 
@@ -62,7 +62,7 @@ def totals(session) -> dict[str, tuple[int, int]]:
 
 def test_claims_are_credited_once_confirmed_by_another_member_of_the_round(sessions, tmp_path):
     with sessions() as session:
-        run = runs.create_run(session, slug="credit", title="Credit")
+        run = registry.create_run(session, slug="credit", title="Credit")
         alice, bob = Peer(session, run, "alice", tmp_path), Peer(session, run, "bob", tmp_path)
         # alice's record arrives first: nobody has confirmed her 300 samples yet.
         assert credit_epochs(session, run, [alice.record(claim(1, 300, aggregated={"g": {bob.peer_id: 200.0}}))]) == 1
@@ -76,7 +76,7 @@ def test_claims_are_credited_once_confirmed_by_another_member_of_the_round(sessi
 
 def test_a_worker_restarted_with_a_new_key_is_credited_under_both_keys(sessions, tmp_path):
     with sessions() as session:
-        run = runs.create_run(session, slug="rekey", title="Rekey")
+        run = registry.create_run(session, slug="rekey", title="Rekey")
         old, new, bob = (Peer(session, run, name, tmp_path) for name in ("carol", "carol", "bob"))
         credit_epochs(session, run, [old.record(claim(3, 10, "a", {"a": {bob.peer_id: 5.0}})),
                                      bob.record(claim(3, 5, "a", {"a": {old.peer_id: 10.0}}))])
@@ -87,7 +87,7 @@ def test_a_worker_restarted_with_a_new_key_is_credited_under_both_keys(sessions,
 
 def test_a_key_without_a_token_is_never_credited(sessions, tmp_path):
     with sessions() as session:
-        run = runs.create_run(session, slug="untokened", title="No token")
+        run = registry.create_run(session, slug="untokened", title="No token")
         alice = Peer(session, run, "alice", tmp_path)
         stranger = SignedMetrics("f" * 64, MetricsRecord(username="alice", epoch=2, samples_per_second=1.0, time=0.0,
                                                          recent=[claim(1, 50, aggregated={"g": {alice.peer_id: 1.0}})]))
@@ -108,7 +108,7 @@ def test_any_order_and_repetition_of_records_gives_the_same_totals(tmp_path_fact
     migrate(url)
     engine = make_engine(url)
     with make_sessionmaker(engine)() as session:
-        run = runs.create_run(session, slug="prop", title="Prop")
+        run = registry.create_run(session, slug="prop", title="Prop")
         alice, bob = Peer(session, run, "alice", folder), Peer(session, run, "bob", folder)
         records, truth = [], {}
         for epoch, a, b in rounds:
@@ -130,7 +130,7 @@ def test_any_order_and_repetition_of_records_gives_the_same_totals(tmp_path_fact
 def test_a_thousand_peers_in_one_epoch_are_settled(sessions, tmp_path, peers):
     """Scale smoke test (the timing lives in bench/crediting.py): groups of 16, everyone confirmed."""
     with sessions() as session:
-        run = runs.create_run(session, slug="scale", title="Scale")
+        run = registry.create_run(session, slug="scale", title="Scale")
         from bench.crediting import SAMPLES, simulated_epoch
 
         records = simulated_epoch(session, run, peers)

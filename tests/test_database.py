@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from dedloc_worker.contract import EpochContribution
+from dedloc_common.contract import EpochContribution
 from sqlalchemy import inspect
 
-from app import runs
-from app.db import downgrade, make_engine, migrate
-from app.errors import Invalid, NotFound
+from app.runs import registry
+from app.core.database import downgrade, make_engine, migrate
+from app.core.errors import Invalid, NotFound
 from app.models import Contribution
 
 TABLES = {"runs", "coordinators", "snapshots", "contributions", "users", "api_credentials", "device_codes", "receipts", "peers",
@@ -48,12 +48,12 @@ def seed_credit(session, run, peer_key: str, username: str, *contributions: Epoc
 
 def test_runs_refuse_bad_slugs_duplicates_and_batches(sessions):
     with sessions() as session:
-        runs.create_run(session, slug="taken", title="Taken")
+        registry.create_run(session, slug="taken", title="Taken")
         with pytest.raises(Invalid, match="already exists"):
-            runs.create_run(session, slug="taken", title="Again")
+            registry.create_run(session, slug="taken", title="Again")
         with pytest.raises(Invalid, match="lowercase"):
-            runs.create_run(session, slug="Bad Slug!", title="Bad")
+            registry.create_run(session, slug="Bad Slug!", title="Bad")
         with pytest.raises(Invalid, match="target_batch_size"):
-            runs.create_run(session, slug="tiny", title="Tiny", target_batch_size=8, batch_size=16)
+            registry.create_run(session, slug="tiny", title="Tiny", target_batch_size=8, batch_size=16)
         with pytest.raises(NotFound):
-            runs.get_run(session, "missing")
+            registry.get_run(session, "missing")

@@ -7,11 +7,11 @@ import time
 
 import pytest
 import torch
-from dedloc_worker.contract import EpochContribution, MetricsRecord, OptimizerOptions, RunConfig
+from dedloc_common.contract import EpochContribution, MetricsRecord, OptimizerOptions, RunConfig
 from dedloc_worker.records import add_record_validators, publish_metrics, read_metrics
 from dedloc_worker.swarm import create_dht, create_optimizer
 
-from app.processes import group_members
+from app.core.processes import group_members
 
 pytestmark = [
     pytest.mark.swarm,

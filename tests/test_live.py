@@ -9,11 +9,11 @@ import json
 import httpx
 import pytest
 from cryptography.hazmat.primitives.asymmetric import rsa
-from dedloc_worker.signing import public_openssh
+from dedloc_common.signing import public_openssh
 
-from app.db import make_engine, make_sessionmaker
-from app.runs import get_run
-from app.snapshots import record_snapshot
+from app.core.database import make_engine, make_sessionmaker
+from app.runs.registry import get_run
+from app.runs.snapshots import record_snapshot
 
 POOL = 3  # DEDLOC_DB_POOL_SIZE 2 + DEDLOC_DB_MAX_OVERFLOW 1
 VIEWERS = 4 * POOL

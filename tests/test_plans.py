@@ -8,15 +8,15 @@ import zlib
 from datetime import datetime, timedelta, timezone
 
 import pytest
-from dedloc_worker.contract import LINK_PROBE_MAX_BYTES
+from dedloc_common.contract import LINK_PROBE_MAX_BYTES
 from fastapi.testclient import TestClient
 from starlette.requests import Request
 
-from app import plans, runs
-from app.auth.accounts import issue_credential, sign_in_locally
-from app.auth.models import User
-from app.config import Settings
-from app.errors import TooLarge
+from app.runs import plans, registry
+from app.identity.accounts import issue_credential, sign_in_locally
+from app.identity.models import User
+from app.core.config import Settings
+from app.core.errors import TooLarge
 from app.models import AveragingPlanRow
 from app.web.link_probe import count_body
 from app.web.main import create_app
@@ -50,8 +50,8 @@ def plan_row(run, predicted: float, created_at: datetime) -> AveragingPlanRow:
 def app(database_url, sessions, tmp_path):
     """Run "demo" with an outdated plan and the current one; run "quiet" with none; alice holds a credential."""
     with sessions() as session:
-        demo = runs.create_run(session, slug="demo", title="Demo run")
-        runs.create_run(session, slug="quiet", title="Quiet run")
+        demo = registry.create_run(session, slug="demo", title="Demo run")
+        registry.create_run(session, slug="quiet", title="Quiet run")
         session.add_all([User(username="bob"), User(username=HIDDEN_NAME, hidden=True),
                          plan_row(demo, 9.0, PLANNED_AT - timedelta(minutes=5)), plan_row(demo, 1.25, PLANNED_AT)])
         session.commit()
@@ -74,7 +74,7 @@ def bearer(sessions):
 
 def test_the_current_plan_is_the_newest_row(sessions):
     with sessions() as session:
-        demo, quiet = runs.create_run(session, slug="demo", title="Demo"), runs.create_run(session, slug="q", title="Q")
+        demo, quiet = registry.create_run(session, slug="demo", title="Demo"), registry.create_run(session, slug="q", title="Q")
         session.add_all([plan_row(demo, 1.25, PLANNED_AT), plan_row(demo, 9.0, PLANNED_AT - timedelta(minutes=5))])
         session.commit()
         assert plans.current_plan(session, demo).predicted_seconds == 1.25

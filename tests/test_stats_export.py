@@ -12,9 +12,9 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from fastapi.testclient import TestClient
 
-from app.cli import main
-from app.config import Settings
-from app.stats_export import FILES, export_if_due, export_stats, stats_dir
+from app.cli.main import main
+from app.core.config import Settings
+from app.credit.stats_export import FILES, export_if_due, export_stats, stats_dir
 from app.web.main import create_app
 from tests.test_contribution_pages import HIDDEN_NAME, START, populate
 

@@ -14,22 +14,24 @@ import hivemind
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
-from dedloc_worker.cleanup import end_descendants
+from dedloc_common.cleanup import end_descendants
 from dedloc_worker.admission import AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, to_access_token
 from dedloc_worker.records import add_record_validators, publish_denylist, publish_plan, read_metrics, read_progress
 from dedloc_worker.swarm import reach_peers
 from sqlalchemy.exc import SQLAlchemyError
 
-from .. import runs, tokens
-from ..accounting import SignedMetrics, samples_total
-from ..crediting import credit_epochs, owners
-from ..config import Settings
-from ..db import make_engine, make_sessionmaker, migrate
-from ..models import utcnow
-from ..snapshots import record_snapshot
-from ..stats_export import export_if_due
-from .planning import LinkSeen, PlanKeeper
-from .summary import PeerSeen, summarize
+from app.runs import registry
+
+from app.authority import tokens
+from app.credit.ledger import SignedMetrics, samples_total
+from app.credit.settlement import credit_epochs, owners
+from app.core.config import Settings
+from app.core.database import make_engine, make_sessionmaker, migrate
+from app.core.clock import utcnow
+from app.runs.snapshots import record_snapshot
+from app.credit.stats_export import export_if_due
+from app.coordinator.planning import LinkSeen, PlanKeeper
+from app.coordinator.summary import PeerSeen, summarize
 
 logger = logging.getLogger("dedloc.coordinator")
 # Worker addresses remembered for a restart; a few reachable ones are enough to rejoin the swarm.
@@ -55,8 +57,8 @@ class CoordinatorNode:
         migrate(url)
         self.sessions = make_sessionmaker(make_engine(url))
         with self.sessions() as session:
-            self.run = runs.get_run(session, slug)
-            self.config = runs.run_config(self.run)
+            self.run = registry.get_run(session, slug)
+            self.config = registry.run_config(self.run)
         self.identity = Path(settings.data_dir).resolve() / "identities" / f"{slug}.key"
         self.identity.parent.mkdir(parents=True, exist_ok=True)
         self.listen = listen
@@ -67,7 +69,7 @@ class CoordinatorNode:
         key = RSAPrivateKey.process_wide()
         public_key = key.get_public_key().to_bytes()
         with self.sessions() as session:
-            run = runs.get_run(session, self.run.slug)
+            run = registry.get_run(session, self.run.slug)
             check = TokenCheck(tokens.authority_public_key(session, self.settings, run))
         state = AdmissionState(folder)
         state.write_token(to_access_token(self._service_token(public_key)))
@@ -80,7 +82,7 @@ class CoordinatorNode:
             keeper.start()
             addrs = [str(addr) for addr in dht.get_visible_maddrs()]
             with self.sessions() as session:
-                self.coordinator_id = runs.register_coordinator(session, self.run, str(dht.peer_id), addrs).id
+                self.coordinator_id = registry.register_coordinator(session, self.run, str(dht.peer_id), addrs).id
             logger.info("coordinator of %s up at %s", self.run.slug, addrs)
             print(f"coordinator of run {self.run.slug!r} listening at {addrs[0]}", flush=True)
             while not stop.is_set():
@@ -96,7 +98,7 @@ class CoordinatorNode:
 
     def _service_token(self, public_key: bytes):
         with self.sessions() as session:
-            return tokens.issue_service_token(session, self.settings, runs.get_run(session, self.run.slug),
+            return tokens.issue_service_token(session, self.settings, registry.get_run(session, self.run.slug),
                                               public_key, "coordinator")
 
     def _start_dht(self, authorizer):
@@ -105,12 +107,12 @@ class CoordinatorNode:
         listen = f"/ip4/{self.settings.host}/tcp/0"
         with self.sessions() as session:
             # Workers any coordinator of the run saw lately, and the other coordinators that are up.
-            known = runs.known_worker_addrs(session, self.run) + [
-                addr for row in runs.live_coordinators(session, self.run, self.settings.coordinator_timeout)
+            known = registry.known_worker_addrs(session, self.run) + [
+                addr for row in registry.live_coordinators(session, self.run, self.settings.coordinator_timeout)
                 for addr in row.multiaddrs]
             if self.identity.exists():
                 peer_id = str(PeerID.from_identity(self.identity.read_bytes()))
-                previous = runs.find_coordinator(session, self.run, peer_id)
+                previous = registry.find_coordinator(session, self.run, peer_id)
                 if previous is not None:
                     listen = default_listen(previous.multiaddrs, self.settings.host)
                     known = [addr for addr in known if not addr.endswith(peer_id)]
@@ -143,12 +145,12 @@ class CoordinatorNode:
         known_peers = [addr for m in metrics if m.peer_key in online for addr in m.record.addrs][:MAX_KNOWN_PEERS]
         try:
             with self.sessions() as session:
-                run = runs.get_run(session, self.run.slug)  # fresh: organizers change bans and the ceiling live
+                run = registry.get_run(session, self.run.slug)  # fresh: organizers change bans and the ceiling live
                 denylist = tokens.signed_denylist(session, self.settings, run)
                 credit_epochs(session, run, metrics)
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
                 record_snapshot(session, self.run, **fields)
-                runs.heartbeat(session, self.coordinator_id, known_peers=known_peers)
+                registry.heartbeat(session, self.coordinator_id, known_peers=known_peers)
                 plan = self.plans.update(session, run, links_online(session, run, metrics, online, max_age))
                 session.commit()
             export_if_due(self.sessions, self.settings.data_dir, utcnow())  # the public daily stats dumps
@@ -165,7 +167,7 @@ class CoordinatorNode:
         coordinator is in no worker's routing table, so it has to make the first call."""
         try:
             with self.sessions() as session:
-                addrs = runs.known_worker_addrs(session, self.run)
+                addrs = registry.known_worker_addrs(session, self.run)
         except SQLAlchemyError:
             return
         if addrs:
@@ -178,7 +180,7 @@ class CoordinatorNode:
             return
         try:
             with self.sessions() as session:
-                runs.heartbeat(session, self.coordinator_id, alive=False)
+                registry.heartbeat(session, self.coordinator_id, alive=False)
         except SQLAlchemyError:
             pass
 

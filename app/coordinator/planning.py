@@ -16,14 +16,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from dedloc_worker.contract import GRADIENT_PART_BYTES, LinkReport, PlanRecord, plan_payload
+from dedloc_common.contract import GRADIENT_PART_BYTES, LinkReport, PlanRecord, plan_payload
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from .. import tokens
-from ..config import Settings
-from ..models import AveragingPlanRow, Run
-from ..planner import PeerProfile, Plan, PlanningError, Replanner
+from app.authority import tokens
+from app.core.config import Settings
+from app.models import AveragingPlanRow, Run
+from app.planner import PeerProfile, Plan, PlanningError, Replanner
 
 logger = logging.getLogger("dedloc.coordinator")
 # Share of the vector the live plan spreads evenly over the senders, at most. hivemind hands out whole parts, so a

@@ -5,9 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional, Sequence
 
-from dedloc_worker.contract import mean_loss
+from dedloc_common.contract import mean_loss
 
-from ..accounting import SignedMetrics
+from app.credit.ledger import SignedMetrics
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from app.errors import Invalid
+from app.core.errors import Invalid
 
 
 class PlanningError(Invalid):

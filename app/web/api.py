@@ -5,20 +5,22 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Optional
 
-from dedloc_worker.contract import API_PREFIX, JoinInfo
+from dedloc_common.contract import API_PREFIX, JoinInfo
 from fastapi import APIRouter, Path, Query
 
-from .. import accounting, plans, runs, snapshots, standings
-from .deps import RunDep, SessionDep, SettingsDep
-from .schemas import LeaderboardEntry, PlanOut, RunOut, SwarmOut, TeamEntry, UserOut
-from .views import current_swarm, leaderboard_entry, plan_out, run_out, swarm_out, team_entry, user_out
+from app.credit import ledger, standings
+
+from app.runs import plans, registry, snapshots
+from app.web.deps import RunDep, SessionDep, SettingsDep
+from app.web.schemas import LeaderboardEntry, PlanOut, RunOut, SwarmOut, TeamEntry, UserOut
+from app.web.views import current_swarm, leaderboard_entry, plan_out, run_out, swarm_out, team_entry, user_out
 
 router = APIRouter(prefix=API_PREFIX, tags=["api"])
 
 
 @router.get("/runs", response_model=list[RunOut])
 def list_runs(session: SessionDep):
-    return [run_out(run) for run in runs.list_runs(session)]
+    return [run_out(run) for run in registry.list_runs(session)]
 
 
 @router.get("/runs/{slug}", response_model=RunOut)
@@ -29,7 +31,7 @@ def get_run(run: RunDep):
 @router.get("/runs/{slug}/join", response_model=JoinInfo)
 def join(run: RunDep, session: SessionDep, settings: SettingsDep):
     """What a worker needs to join: the run config and the coordinators' addresses."""
-    return runs.join_info(session, run, settings.coordinator_timeout)
+    return registry.join_info(session, run, settings.coordinator_timeout)
 
 
 @router.get("/runs/{slug}/swarm", response_model=SwarmOut)
@@ -61,7 +63,7 @@ Limit = Annotated[int, Query(ge=1, le=1000, description="at most this many rows,
 @router.get("/runs/{slug}/leaderboard", response_model=list[LeaderboardEntry])
 def leaderboard(run: RunDep, session: SessionDep, limit: Limit = 100):
     """Users by credited samples in this run, most first; users hidden from public boards are left out."""
-    return [leaderboard_entry(row) for row in accounting.leaderboard(session, run, limit)]
+    return [leaderboard_entry(row) for row in ledger.leaderboard(session, run, limit)]
 
 
 @router.get("/runs/{slug}/teams", response_model=list[TeamEntry])
@@ -73,7 +75,7 @@ def run_teams(run: RunDep, session: SessionDep, limit: Limit = 100):
 @router.get("/leaderboard", response_model=list[LeaderboardEntry])
 def overall_leaderboard(session: SessionDep, limit: Limit = 100):
     """Users by credited samples across all runs, most first."""
-    return [leaderboard_entry(row) for row in accounting.leaderboard(session, None, limit)]
+    return [leaderboard_entry(row) for row in ledger.leaderboard(session, None, limit)]
 
 
 @router.get("/teams", response_model=list[TeamEntry])

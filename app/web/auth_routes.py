@@ -8,21 +8,21 @@ import secrets
 from typing import Annotated, Optional
 from urllib.parse import quote
 
-from dedloc_worker.contract import API_PREFIX
+from dedloc_common.contract import API_PREFIX
 from fastapi import APIRouter, Depends, Form, Query, Request
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ..auth import accounts, device, oidc
-from ..auth.deps import ApiUser, BearerSecret, CsrfChecked, CurrentUser, OptionalUser, csrf_token
-from ..auth.device import DevicePolicy
-from ..auth.errors import DeviceGrantError, SignInRefused, SignInRequired, UserCodeRefused
-from ..auth.models import User
-from ..config import Settings
-from ..models import as_utc, utcnow
-from .deps import SessionDep, SettingsDep
+from app.identity import accounts, device, oidc
+from app.web.identity import ApiUser, BearerSecret, CsrfChecked, CurrentUser, OptionalUser, csrf_token
+from app.identity.device import DevicePolicy
+from app.identity.errors import DeviceGrantError, SignInRefused, SignInRequired, UserCodeRefused
+from app.identity.models import User
+from app.core.config import Settings
+from app.core.clock import as_utc, utcnow
+from app.web.deps import SessionDep, SettingsDep
 
 router = APIRouter()
 DEVICE_GRANT_TYPE = "urn:ietf:params:oauth:grant-type:device_code"

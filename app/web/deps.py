@@ -7,9 +7,9 @@ from typing import Annotated, Iterator
 from fastapi import Depends, Path, Request
 from sqlalchemy.orm import Session
 
-from .. import runs
-from ..config import Settings
-from ..models import Run
+from app.runs import registry
+from app.core.config import Settings
+from app.models import Run
 
 
 def get_settings(request: Request) -> Settings:
@@ -27,7 +27,7 @@ SessionDep = Annotated[Session, Depends(get_session, scope="function")]
 
 
 def valid_run(session: SessionDep, slug: Annotated[str, Path(max_length=64)]) -> Run:
-    return runs.get_run(session, slug)
+    return registry.get_run(session, slug)
 
 
 RunDep = Annotated[Run, Depends(valid_run)]

@@ -1,15 +1,13 @@
-"""A run's join page, and the downloads it points to: the worker wheel and a notebook."""
+"""A run's join page, and the downloads it points to: the volunteer wheels and a notebook."""
 
 from __future__ import annotations
 
 from fastapi import APIRouter, Request
-from fastapi.concurrency import run_in_threadpool
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
-from .. import distribution
-from ..auth.deps import OptionalUser
-from ..errors import NotFound
-from .deps import RunDep, SettingsDep
+from app.runs import distribution
+from app.web.identity import OptionalUser
+from app.web.deps import RunDep
 
 router = APIRouter(include_in_schema=False)
 
@@ -35,8 +33,5 @@ def join_notebook(request: Request, run: RunDep):
 
 
 @router.get("/downloads/{filename}")
-async def worker_wheel(filename: str, settings: SettingsDep):
-    if filename != distribution.wheel_name():
-        raise NotFound(f"no download named {filename!r}; this portal serves {distribution.wheel_name()}")
-    wheel = await run_in_threadpool(distribution.worker_wheel, settings.data_dir)
-    return FileResponse(wheel, media_type="application/zip", filename=filename)
+def volunteer_wheel(filename: str):
+    return FileResponse(distribution.wheel(filename), media_type="application/zip", filename=filename)

@@ -10,15 +10,15 @@ import functools
 import os
 from typing import Annotated
 
-from dedloc_worker.contract import API_PREFIX, LINK_PROBE_MAX_BYTES
+from dedloc_common.contract import API_PREFIX, LINK_PROBE_MAX_BYTES
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
-from ..errors import DedlocError, TooLarge
-from ..auth.deps import ApiUser
-from .deps import RunDep, SessionDep
-from .schemas import ProbeReceipt
+from app.core.errors import DedlocError, TooLarge
+from app.web.identity import ApiUser
+from app.web.deps import RunDep, SessionDep
+from app.web.schemas import ProbeReceipt
 
 router = APIRouter(prefix=API_PREFIX, tags=["api"])
 

@@ -20,11 +20,13 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette.sse import EventSourceResponse
 
-from .. import accounting, plans, runs
-from ..config import Settings
-from ..errors import Unavailable
-from .deps import RunDep
-from .views import current_swarm
+from app.credit import ledger
+
+from app.runs import plans, registry
+from app.core.config import Settings
+from app.core.errors import Unavailable
+from app.web.deps import RunDep
+from app.web.views import current_swarm
 
 log = logging.getLogger(__name__)
 router = APIRouter()
@@ -115,11 +117,11 @@ class LiveFeed:
     def read(self, slug: str) -> dict[str, str]:
         """One snapshot of what a dashboard shows, in one short session."""
         with self.sessions() as session:
-            run = runs.get_run(session, slug)
+            run = registry.get_run(session, slug)
             return {
                 "swarm": current_swarm(session, run).model_dump_json(),
                 "leaders": self.templates.get_template("_leaders.html").render(
-                    leaders=accounting.leaderboard(session, run, 10)),
+                    leaders=ledger.leaderboard(session, run, 10)),
                 "plan": self.templates.get_template("_plan.html").render(plan=plans.public_plan(session, run)),
             }
 

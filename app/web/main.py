@@ -12,15 +12,16 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
-from ..config import Settings
-from ..db import ROOT, make_engine, make_sessionmaker
-from ..errors import DedlocError
-from ..auth.deps import csrf_token
-from ..auth.errors import SignInRequired
-from ..auth.oidc import make_oauth
-from ..secrets import secret_key
-from . import auth_routes
-from . import api, join, link_probe, live, me, metrics, organize, pages, peer_tokens, stats
+from app.core.config import Settings
+from app.core.database import make_engine, make_sessionmaker
+from app.core.resources import static_dir, templates_dir
+from app.core.errors import DedlocError
+from app.web.identity import csrf_token
+from app.identity.errors import SignInRequired
+from app.identity.oidc import make_oauth
+from app.core.secrets import secret_key
+from app.web import auth_routes
+from app.web import api, join, link_probe, live, me, metrics, organize, pages, peer_tokens, stats
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -37,10 +38,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app = FastAPI(title="dedloc", version="0.1.0", lifespan=lifespan)
     app.state.settings = settings
     app.state.sessions = make_sessionmaker(engine)
-    app.state.templates = Jinja2Templates(directory=ROOT / "templates")
+    app.state.templates = Jinja2Templates(directory=templates_dir())
     app.state.feed = live.LiveFeed(app.state.sessions, app.state.templates, settings)
     app.state.registry = metrics.make_registry(app.state.sessions)
-    app.mount("/static", StaticFiles(directory=ROOT / "app" / "static"), name="static")
+    app.mount("/static", StaticFiles(directory=static_dir()), name="static")
     # identity (app/auth): signed session cookies, the OpenID Connect client, sign-in redirects, form tokens
     app.add_middleware(auth_routes.SessionCookies, secret_key=secret_key(settings))
     app.state.oauth = make_oauth(settings)

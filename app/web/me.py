@@ -7,9 +7,9 @@ from typing import Annotated
 from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from .. import standings, volunteers
-from ..auth.deps import CsrfChecked, CurrentUser
-from .deps import SessionDep
+from app.credit import standings, volunteers
+from app.web.identity import CsrfChecked, CurrentUser
+from app.web.deps import SessionDep
 
 router = APIRouter(include_in_schema=False)
 

@@ -6,8 +6,10 @@ from fastapi import APIRouter, Request, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from .. import accounting, runs
-from .views import current_swarm
+from app.credit import ledger
+
+from app.runs import registry
+from app.web.views import current_swarm
 
 router = APIRouter()
 
@@ -30,8 +32,8 @@ class SwarmCollector:
         credited = GaugeMetricFamily("dedloc_samples_credited", "samples credited to contributors", labels=["run"])
         held = GaugeMetricFamily("dedloc_samples_held", "samples claimed but held back for review", labels=["run"])
         with self.sessions() as session:
-            credit = accounting.credit_by_run(session)
-            for run in runs.list_runs(session):
+            credit = ledger.credit_by_run(session)
+            for run in registry.list_runs(session):
                 swarm = current_swarm(session, run)
                 for name, family in families.items():
                     value = getattr(swarm, name)

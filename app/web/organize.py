@@ -7,12 +7,14 @@ from typing import Annotated, Optional
 from fastapi import APIRouter, Depends, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from .. import credit_review, tokens
-from ..auth.deps import CsrfChecked, CurrentUser, is_organizer
-from ..auth.models import User
-from ..errors import Forbidden
-from ..models import Run
-from .deps import RunDep, SessionDep, SettingsDep
+from app.credit import review
+
+from app.authority import tokens
+from app.web.identity import CsrfChecked, CurrentUser, is_organizer
+from app.identity.models import User
+from app.core.errors import Forbidden
+from app.models import Run
+from app.web.deps import RunDep, SessionDep, SettingsDep
 
 router = APIRouter(include_in_schema=False)
 Username = Annotated[str, Form(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
@@ -36,7 +38,7 @@ def organize_page(request: Request, run: RunDep, user: Organizer, session: Sessi
     return request.app.state.templates.TemplateResponse(request, "organize.html", {
         "run": run, "policies": tokens.ADMISSION_POLICIES, "allowlist": tokens.allowlist(session, run),
         "bans": tokens.bans(session, run), "holders": tokens.token_holders(session, run),
-        "held": credit_review.held_credit(session, run),
+        "held": review.held_credit(session, run),
     })
 
 
@@ -75,5 +77,5 @@ def unban(run: RunDep, user: Organizer, session: SessionDep, username: Username)
 @router.post("/runs/{slug}/organize/release", dependencies=[CsrfChecked])
 def release(run: RunDep, user: Organizer, session: SessionDep, username: Username,
             epoch: Annotated[Optional[int], Form(ge=0, description="one epoch; empty: every held epoch")] = None):
-    credit_review.release_held(session, run=run, username=username, released_by=user.username, epoch=epoch)
+    review.release_held(session, run=run, username=username, released_by=user.username, epoch=epoch)
     return back(run)

@@ -5,9 +5,11 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from .. import accounting, plans, runs, standings
-from .deps import RunDep, SessionDep
-from .views import current_swarm
+from app.credit import ledger, standings
+
+from app.runs import plans, registry
+from app.web.deps import RunDep, SessionDep
+from app.web.views import current_swarm
 
 router = APIRouter(default_response_class=HTMLResponse, include_in_schema=False)
 
@@ -18,23 +20,23 @@ def render(request: Request, template: str, **context):
 
 @router.get("/")
 def home(request: Request, session: SessionDep):
-    items = [(run, current_swarm(session, run)) for run in runs.list_runs(session)]
+    items = [(run, current_swarm(session, run)) for run in registry.list_runs(session)]
     return render(request, "home.html", items=items)
 
 
 @router.get("/runs/{slug}")
 def dashboard(request: Request, run: RunDep, session: SessionDep):
     return render(request, "dashboard.html", run=run, swarm=current_swarm(session, run),
-                  leaders=accounting.leaderboard(session, run, 10), plan=plans.public_plan(session, run))
+                  leaders=ledger.leaderboard(session, run, 10), plan=plans.public_plan(session, run))
 
 
 @router.get("/runs/{slug}/leaderboard")
 def leaderboard(request: Request, run: RunDep, session: SessionDep):
-    return render(request, "leaderboard.html", run=run, leaders=accounting.leaderboard(session, run, 1000),
+    return render(request, "leaderboard.html", run=run, leaders=ledger.leaderboard(session, run, 1000),
                   teams=standings.team_leaderboard(session, run, 1000))
 
 
 @router.get("/leaderboard")
 def overall_leaderboard(request: Request, session: SessionDep):
-    return render(request, "leaderboard.html", run=None, leaders=accounting.leaderboard(session, None, 1000),
+    return render(request, "leaderboard.html", run=None, leaders=ledger.leaderboard(session, None, 1000),
                   teams=standings.team_leaderboard(session, None, 1000))

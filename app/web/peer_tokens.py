@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from dedloc_worker.contract import API_PREFIX, PeerTokenGrant, PeerTokenRequest
+from dedloc_common.contract import API_PREFIX, PeerTokenGrant, PeerTokenRequest
 from fastapi import APIRouter
 
-from .. import tokens
-from ..auth.deps import ApiUser
-from .deps import RunDep, SessionDep, SettingsDep
+from app.authority import tokens
+from app.web.identity import ApiUser
+from app.web.deps import RunDep, SessionDep, SettingsDep
 
 router = APIRouter(prefix=API_PREFIX, tags=["api"])
 

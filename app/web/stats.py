@@ -8,9 +8,9 @@ from typing import Annotated
 from fastapi import APIRouter, Path
 from fastapi.responses import FileResponse
 
-from ..errors import NotFound
-from ..stats_export import FILES, stats_dir
-from .deps import SettingsDep
+from app.core.errors import NotFound
+from app.credit.stats_export import FILES, stats_dir
+from app.web.deps import SettingsDep
 
 router = APIRouter(tags=["stats"])
 

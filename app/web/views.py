@@ -7,12 +7,12 @@ from typing import Optional
 
 from sqlalchemy.orm import Session
 
-from ..accounting import LeaderboardRow
-from ..models import Run, Snapshot
-from ..plans import PublicPlan
-from ..snapshots import latest_snapshot
-from ..standings import TeamRow, UserTotals
-from .schemas import LeaderboardEntry, PlanOut, RunOut, RunTotalsOut, SwarmOut, TeamEntry, UserOut
+from app.credit.ledger import LeaderboardRow
+from app.models import Run, Snapshot
+from app.runs.plans import PublicPlan
+from app.runs.snapshots import latest_snapshot
+from app.credit.standings import TeamRow, UserTotals
+from app.web.schemas import LeaderboardEntry, PlanOut, RunOut, RunTotalsOut, SwarmOut, TeamEntry, UserOut
 
 
 def run_out(run: Run) -> RunOut:

@@ -33,8 +33,8 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.timed_storage import get_dht_time
 
-from .contract import PeerToken, token_payload
-from .signing import load_public_openssh, peer_id_of, verify
+from dedloc_common.contract import PeerToken, token_payload
+from dedloc_common.signing import load_public_openssh, peer_id_of, verify
 
 RECALL_EVERY = 15  # keeper rounds between two calls to the run's coordinators
 # A handler refuses an unknown caller only after giving the keeper this long to learn a newcomer's token.

@@ -8,7 +8,7 @@ from pathlib import Path
 from hivemind.proto import crypto_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from .signing import peer_id_of
+from dedloc_common.signing import peer_id_of
 
 
 class PeerIdentity:

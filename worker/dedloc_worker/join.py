@@ -32,7 +32,7 @@ def run_join(args, stop: threading.Event):
     # Heavy imports here, after the command line is known to be valid: `--help` stays instant.
     import torch
 
-    from .cleanup import end_descendants
+    from dedloc_common.cleanup import end_descendants
     from .tasks import load_task_class
 
     torch.set_num_threads(args.threads)

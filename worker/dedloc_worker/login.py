@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import httpx
 
 from . import __version__
-from .contract import API_PREFIX
+from dedloc_common.contract import API_PREFIX
 from .errors import ConfigError, PortalError
 
 DEVICE_GRANT_TYPE = "urn:ietf:params:oauth:grant-type:device_code"

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from typing import Optional
 
-from .contract import LinkReport, PlanRecord
+from dedloc_common.contract import LinkReport, PlanRecord
 from .records import read_plan
 
 ROUND_QUERY_TIMEOUT = 2.0  # seconds to wait for the averager process to say how its last round went

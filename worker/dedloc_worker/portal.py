@@ -8,7 +8,7 @@ import time
 import httpx
 import pydantic
 
-from .contract import API_PREFIX, JoinInfo, PeerTokenGrant, PeerTokenRequest
+from dedloc_common.contract import API_PREFIX, JoinInfo, PeerTokenGrant, PeerTokenRequest
 from .errors import AdmissionError, ConfigError, PortalError
 
 

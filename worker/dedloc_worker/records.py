@@ -20,7 +20,7 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgr
 from google.protobuf.message import DecodeError
 from hivemind.proto.auth_pb2 import AccessToken
 
-from .contract import (
+from dedloc_common.contract import (
     MetricsRecord, PlanRecord, denylist_key, denylist_payload, metrics_key, plan_key, plan_payload, progress_key,
     record_key_of_subkey, tokens_key,
 )
@@ -163,7 +163,7 @@ def read_plan(dht: DHT, run_id: str, check) -> Optional[PlanRecord]:
 def _newest_authentic(dht: DHT, key: str, model, check, payload_of):
     """The record under ``key`` with the latest ``issued_at`` whose signature is the run's authority's, or None:
     any coordinator (or anyone) may publish under its own subkey, only the authority's signature counts."""
-    from .signing import verify
+    from dedloc_common.signing import verify
 
     newest = None
     for value in _entries(dht, key).values():

@@ -21,7 +21,7 @@ from typing import List, Optional, Sequence
 
 import hivemind
 
-from .contract import GRADIENT_PART_BYTES, RunConfig
+from dedloc_common.contract import GRADIENT_PART_BYTES, RunConfig
 
 
 def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, identity_path: Optional[str] = None,

@@ -11,7 +11,7 @@ from typing import Callable, List, Optional
 
 import torch
 
-from .contract import RECENT_EPOCHS_KEPT, EpochContribution, LinkReport, MetricsRecord, RunConfig, mean_loss
+from dedloc_common.contract import RECENT_EPOCHS_KEPT, EpochContribution, LinkReport, MetricsRecord, RunConfig, mean_loss
 from .errors import TrainingError
 from .records import publish_metrics
 from .swarm import create_optimizer

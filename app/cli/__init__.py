@@ -1,0 +1,1 @@
+"""Entry points: the ``dedloc`` command (``main``) and the local demo."""

@@ -1,0 +1,199 @@
+"""The ``dedloc`` command for operators and organizers: migrate, create-run, serve, coordinator, demo,
+export-stats.
+
+Errors end as one line on stderr and the exit code of the error class (``errors.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+from contextlib import contextmanager
+from pathlib import Path
+
+from app.core.config import Settings
+from app.core.errors import DedlocError
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dedloc", description="dedloc portal and coordinator")
+    commands = parser.add_subparsers(dest="command", required=True)
+    commands.add_parser("migrate", help="bring the database schema to the newest version")
+
+    create = commands.add_parser("create-run", help="create a training run")
+    create.add_argument("slug", help="short name used in URLs, e.g. sahajbert")
+    create.add_argument("--title", help="human title (default: the slug)")
+    create.add_argument("--task", default="tiny-lm", help="task plugin name or module:Class")
+    create.add_argument("--target-batch-size", type=int, default=4096, help="samples per collaboration step")
+    create.add_argument("--batch-size", type=int, default=16, help="samples per local mini-step")
+    create.add_argument("--task-options", type=json.loads, default={}, help="JSON object of task options")
+    create.add_argument("--samples-per-second-ceiling", type=float, default=5000.0,
+                        help="claims above this per peer are held, not credited")
+    create.add_argument("--optimizer", type=json.loads, default={}, help="JSON object of optimizer options")
+    create.add_argument("--if-missing", action="store_true", help="succeed quietly when the run exists")
+
+    credential = commands.add_parser("issue-credential",
+                                     help="print a worker API credential for USERNAME (headless machines, demo)")
+    credential.add_argument("username")
+
+    for verb in ("ban", "unban"):
+        ban = commands.add_parser(verb, help=f"{verb} a user from a run (reaches running peers within a minute)")
+        ban.add_argument("slug")
+        ban.add_argument("username")
+        if verb == "ban":
+            ban.add_argument("--reason", default="", help="shown to the user")
+
+    export = commands.add_parser("export-stats", help="write the public stats dumps (users and teams, JSON and "
+                                                      "CSV, gzip); the portal serves DATA_DIR/stats under /stats/")
+    export.add_argument("--out", type=Path, help="folder to write to (default: DEDLOC_DATA_DIR/stats)")
+
+    serve = commands.add_parser("serve", help="run the web portal")
+    serve.add_argument("--host", help="bind address (default from DEDLOC_HOST)")
+    serve.add_argument("--port", type=int, help="port (default from DEDLOC_PORT)")
+
+    coordinator = commands.add_parser("coordinator", help="run a run's coordinator (bootstrap peer and monitor)")
+    coordinator.add_argument("--run", required=True, help="the run's slug")
+    coordinator.add_argument("--listen", help="multiaddr to listen on (default: as last time, else a free port)")
+
+    demo = commands.add_parser("demo", help="portal, coordinator and two local workers, until Ctrl-C")
+    demo.add_argument("--workers", type=int, default=2)
+    return parser
+
+
+def main(argv=None) -> int:
+    args = build_parser().parse_args(argv)
+    settings = Settings()
+    try:
+        return COMMANDS[args.command](args, settings) or 0
+    except DedlocError as e:
+        print(f"dedloc: {e}", file=sys.stderr)
+        return e.exit_code
+
+
+def cmd_migrate(args, settings: Settings) -> None:
+    from app.core.database import migrate
+
+    migrate(settings.resolved_database_url)
+    print("database is at the newest schema")
+
+
+def cmd_create_run(args, settings: Settings) -> None:
+    from pydantic import ValidationError
+
+    from app.runs import registry
+    from app.core.database import make_engine, make_sessionmaker, migrate
+    from app.core.errors import Invalid
+
+    migrate(settings.resolved_database_url)
+    with make_sessionmaker(make_engine(settings.resolved_database_url))() as session:
+        if args.if_missing and any(run.slug == args.slug for run in registry.list_runs(session)):
+            print(f"run {args.slug!r} already exists")
+            return
+        try:
+            run = registry.create_run(
+                session, slug=args.slug, title=args.title or args.slug, task=args.task,
+                target_batch_size=args.target_batch_size, batch_size=args.batch_size,
+                task_options=args.task_options, optimizer=args.optimizer,
+                samples_per_second_ceiling=args.samples_per_second_ceiling,
+            )
+        except ValidationError as e:
+            raise Invalid(f"bad optimizer options: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+    print(f"created run {run.slug!r}")
+
+
+@contextmanager
+def open_session(settings: Settings):
+    """A session on the migrated database; its engine is disposed after (no connection left to the collector)."""
+    from app.core.database import make_engine, make_sessionmaker, migrate
+
+    migrate(settings.resolved_database_url)
+    engine = make_engine(settings.resolved_database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            yield session
+    finally:
+        engine.dispose()
+
+
+def cmd_issue_credential(args, settings: Settings) -> None:
+    from app.identity.accounts import issue_credential, sign_in_locally
+
+    with open_session(settings) as session:
+        user = sign_in_locally(session, username=args.username)
+        secret = issue_credential(session, user_id=user.id, client_name="dedloc issue-credential")
+        session.commit()
+    print(secret)
+
+
+def cmd_ban(args, settings: Settings) -> None:
+    from app.runs import registry
+    from app.authority import tokens
+
+    with open_session(settings) as session:
+        tokens.ban_user(session, registry.get_run(session, args.slug), args.username, "operator", args.reason)
+    print(f"{args.username} is banned from {args.slug}")
+
+
+def cmd_unban(args, settings: Settings) -> None:
+    from app.runs import registry
+    from app.authority import tokens
+
+    with open_session(settings) as session:
+        tokens.unban_user(session, registry.get_run(session, args.slug), args.username)
+    print(f"{args.username} may join {args.slug} again")
+
+
+def cmd_export_stats(args, settings: Settings) -> None:
+    from app.credit.stats_export import export_stats, stats_dir
+
+    out = args.out or stats_dir(settings.data_dir)
+    with open_session(settings) as session:
+        written = export_stats(session, out)
+    print(f"wrote {', '.join(path.name for path in written)} to {out}")
+
+
+def cmd_serve(args, settings: Settings) -> None:
+    import uvicorn
+
+    from app.core.database import migrate
+    from app.web.main import create_app
+
+    settings = settings.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v})
+    migrate(settings.resolved_database_url)
+    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, timeout_graceful_shutdown=2,
+                log_level="warning")
+
+
+def cmd_coordinator(args, settings: Settings) -> None:
+    from app.coordinator.node import CoordinatorNode
+
+    stop = threading.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, lambda *_: stop.set())
+    CoordinatorNode(settings, args.run, args.listen).serve(stop)
+
+
+def cmd_demo(args, settings: Settings) -> None:
+    from app.cli.demo import run_demo
+
+    run_demo(settings, args.workers)
+
+
+COMMANDS = {
+    "migrate": cmd_migrate,
+    "create-run": cmd_create_run,
+    "issue-credential": cmd_issue_credential,
+    "ban": cmd_ban,
+    "unban": cmd_unban,
+    "export-stats": cmd_export_stats,
+    "serve": cmd_serve,
+    "coordinator": cmd_coordinator,
+    "demo": cmd_demo,
+}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

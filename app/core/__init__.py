@@ -1,0 +1,1 @@
+"""Infrastructure every layer uses: settings, the database, errors, secrets, child processes, time."""

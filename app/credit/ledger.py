@@ -1,0 +1,80 @@
+"""Credit: samples that entered the collaboration's optimizer steps, per peer key and epoch, counted once."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Iterable, Optional
+
+from dedloc_common.contract import MetricsRecord
+from sqlalchemy import Select, func, select
+from sqlalchemy.dialects import postgresql, sqlite
+from sqlalchemy.orm import Session
+
+from app.identity.models import User
+from app.core.clock import as_utc
+from app.models import Contribution, Run
+
+
+@dataclass(frozen=True)
+class SignedMetrics:
+    """A metrics record and the fingerprint of the key that signed it."""
+
+    peer_key: str
+    record: MetricsRecord
+
+
+def samples_total(session: Session, run: Run) -> int:
+    """Credited samples of the run (held samples are not counted until released)."""
+    return session.scalar(select(func.coalesce(func.sum(Contribution.credited), 0)).where(Contribution.run_id == run.id))
+
+
+@dataclass(frozen=True)
+class LeaderboardRow:
+    """A user's standing: credited samples, samples held back, runtime (seconds their peers spent in counted
+    epochs), distinct peer keys, the team they chose, and when the swarm last recorded an epoch of theirs."""
+
+    username: str
+    samples: int
+    runtime_seconds: float
+    peers: int
+    held_samples: int = 0
+    team: Optional[str] = None
+    last_seen: Optional[datetime] = None
+
+
+def only_public(query: Select, run: Optional[Run] = None) -> Select:
+    """``query`` over contributions, joined to their users and leaving hidden users out (a username with no
+    user row is public, with no team); limited to ``run`` when one is given."""
+    query = query.outerjoin(User, User.username == Contribution.username).where(User.hidden.is_not(True))
+    return query if run is None else query.where(Contribution.run_id == run.id)
+
+
+def credit_columns() -> tuple:
+    """The aggregates every board shows: credited, held, runtime (seconds), peers, last recorded epoch."""
+    return (
+        func.coalesce(func.sum(Contribution.credited), 0).label("samples"),
+        func.coalesce(func.sum(Contribution.held), 0).label("held"),
+        func.coalesce(func.sum(Contribution.seconds), 0.0).label("runtime"),
+        func.count(func.distinct(Contribution.peer_key)).label("peers"),
+        func.max(Contribution.recorded_at).label("last_seen"),
+    )
+
+
+def leaderboard(session: Session, run: Optional[Run] = None, limit: Optional[int] = 100) -> list[LeaderboardRow]:
+    """Public users by credited samples, most first, in ``run`` or across all runs (``run=None``)."""
+    query = only_public(
+        select(Contribution.username, User.team, *credit_columns()).select_from(Contribution), run
+    ).group_by(Contribution.username, User.team).order_by(func.sum(Contribution.credited).desc(), Contribution.username)
+    return [
+        LeaderboardRow(r.username, int(r.samples), round(float(r.runtime), 3), int(r.peers), int(r.held), r.team,
+                       as_utc(r.last_seen) if r.last_seen else None)
+        for r in session.execute(query.limit(limit))
+    ]
+
+
+def credit_by_run(session: Session) -> dict[int, tuple[int, int]]:
+    """(credited, held) samples of every run with contributions, by run id, hidden users included."""
+    query = select(Contribution.run_id, func.sum(Contribution.credited), func.sum(Contribution.held)).group_by(
+        Contribution.run_id)
+    return {run_id: (int(credited or 0), int(held or 0)) for run_id, credited, held in session.execute(query)}

@@ -1,0 +1,108 @@
+"""Averaging plans as the public sees them: who aggregates which share of the gradient vector, at what bandwidth.
+
+The coordinator writes ``AveragingPlanRow`` rows; this module only reads them. The public view carries no full
+PeerID, key or address (a short fingerprint stands for each peer), and users hidden from public boards read as
+``HIDDEN_VOLUNTEER``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any, Optional
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.identity.models import User
+from app.core.errors import NotFound
+from app.core.clock import as_utc
+from app.models import AveragingPlanRow, Run
+
+HIDDEN_VOLUNTEER = "hidden volunteer"
+NO_PLAN = "no averaging plan was published for this run yet: the coordinator plans once peers report their links"
+# Enough to tell a handful of peers apart on a page, far too little to dial or impersonate one.
+FINGERPRINT_CHARS = 6
+
+
+@dataclass(frozen=True)
+class PlanPeer:
+    """A peer of a plan: ``share`` of the vector it aggregates (fraction), bandwidths in Mbit/s."""
+
+    fingerprint: str
+    username: str
+    role: str
+    share: float
+    upload_mbps: float
+    download_mbps: float
+
+
+@dataclass(frozen=True)
+class PublicPlan:
+    """A plan without keys or addresses; times in seconds, ``measured_seconds`` None until a round is reported."""
+
+    peers: list[PlanPeer]
+    vector_bytes: int
+    predicted_seconds: float
+    lower_bound_seconds: float
+    measured_seconds: Optional[float]
+    reason: str
+    created_at: datetime
+
+
+def current_plan(session: Session, run: Run) -> Optional[AveragingPlanRow]:
+    """The newest plan of ``run``, or None before the coordinator published one."""
+    query = (select(AveragingPlanRow).where(AveragingPlanRow.run_id == run.id)
+             .order_by(AveragingPlanRow.created_at.desc(), AveragingPlanRow.id.desc()).limit(1))
+    return session.scalar(query)
+
+
+def public_plan(session: Session, run: Run) -> Optional[PublicPlan]:
+    """The public view of the current plan of ``run``, or None when there is none."""
+    row = current_plan(session, run)
+    return None if row is None else public_view(session, row)
+
+
+def published_plan(session: Session, run: Run) -> PublicPlan:
+    """Like ``public_plan``, but ``NotFound`` when no plan was published yet."""
+    plan = public_plan(session, run)
+    if plan is None:
+        raise NotFound(NO_PLAN)
+    return plan
+
+
+def public_view(session: Session, row: AveragingPlanRow) -> PublicPlan:
+    hidden = hidden_usernames(session, {str(peer.get("username") or "") for peer in row.peers})
+    peers = sorted((plan_peer(peer, hidden) for peer in row.peers), key=lambda p: (-p.share, p.role, p.fingerprint))
+    return PublicPlan(peers, row.vector_bytes, row.predicted_seconds, row.lower_bound_seconds,
+                      row.measured_seconds, row.reason, as_utc(row.created_at))
+
+
+def plan_peer(peer: dict[str, Any], hidden: set[str]) -> PlanPeer:
+    # .get with defaults: rows outlive coordinator versions, and an odd entry must not take the dashboard down.
+    username = str(peer.get("username") or "")
+    return PlanPeer(
+        fingerprint=fingerprint(str(peer.get("peer_id") or "")),
+        username=HIDDEN_VOLUNTEER if username in hidden else username,
+        role=str(peer.get("role") or "client"),
+        share=float(peer.get("share") or 0.0),
+        upload_mbps=to_mbps(peer.get("upload_bps")),
+        download_mbps=to_mbps(peer.get("download_bps")),
+    )
+
+
+def fingerprint(peer_id: str) -> str:
+    return "…" + peer_id[-FINGERPRINT_CHARS:]
+
+
+def to_mbps(bytes_per_second: Any) -> float:
+    """Bytes per second as megabits per second (10^6 bits), the unit links are sold in."""
+    return round(float(bytes_per_second or 0.0) * 8 / 1e6, 3)
+
+
+def hidden_usernames(session: Session, usernames: set[str]) -> set[str]:
+    """Those of ``usernames`` whose users hid themselves; a name with no user row is public, as on the boards."""
+    if not usernames:
+        return set()
+    query = select(User.username).where(User.username.in_(usernames), User.hidden.is_(True))
+    return set(session.scalars(query))

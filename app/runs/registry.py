@@ -1,0 +1,122 @@
+"""Runs and the coordinators that serve them: create, look up, describe to workers."""
+
+from __future__ import annotations
+
+import re
+from datetime import timedelta
+from typing import Any, Optional
+
+from dedloc_common.contract import JoinInfo, OptimizerOptions, RunConfig
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from app.core.errors import Invalid, NotFound
+from app.core.clock import as_utc, utcnow
+from app.models import Coordinator, Run
+
+SLUG = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+
+
+def create_run(
+    session: Session,
+    *,
+    slug: str,
+    title: str,
+    task: str = "tiny-lm",
+    target_batch_size: int = 4096,
+    batch_size: int = 16,
+    task_options: Optional[dict[str, Any]] = None,
+    optimizer: Optional[dict[str, Any]] = None,
+    seed: int = 0,
+    samples_per_second_ceiling: float = 5000.0,
+) -> Run:
+    """Create a run; ``Invalid`` when the slug is malformed or taken, or an option is out of range."""
+    if not SLUG.match(slug):
+        raise Invalid(f"slug {slug!r} must be lowercase letters, digits and dashes (at most 63)")
+    if session.scalar(select(Run).where(Run.slug == slug)):
+        raise Invalid(f"a run named {slug!r} already exists")
+    if samples_per_second_ceiling <= 0:
+        raise Invalid("samples_per_second_ceiling must be positive")
+    if target_batch_size < batch_size or batch_size < 1:
+        raise Invalid("target_batch_size must be at least batch_size, and batch_size at least 1")
+    run = Run(
+        slug=slug,
+        title=title,
+        task=task,
+        task_options=task_options or {},
+        target_batch_size=target_batch_size,
+        batch_size=batch_size,
+        seed=seed,
+        samples_per_second_ceiling=samples_per_second_ceiling,
+        optimizer=OptimizerOptions(**(optimizer or {})).model_dump(),
+    )
+    session.add(run)
+    session.commit()
+    return run
+
+
+def get_run(session: Session, slug: str) -> Run:
+    run = session.scalar(select(Run).where(Run.slug == slug))
+    if run is None:
+        raise NotFound(f"no run named {slug!r}")
+    return run
+
+
+def list_runs(session: Session) -> list[Run]:
+    return list(session.scalars(select(Run).order_by(Run.created_at.desc(), Run.id.desc())))
+
+
+def run_config(run: Run) -> RunConfig:
+    return RunConfig(
+        slug=run.slug,
+        run_id=f"dedloc-{run.slug}",
+        task=run.task,
+        task_options=run.task_options,
+        target_batch_size=run.target_batch_size,
+        batch_size=run.batch_size,
+        seed=run.seed,
+        optimizer=OptimizerOptions(**run.optimizer),
+    )
+
+
+def live_coordinators(session: Session, run: Run, timeout: float) -> list[Coordinator]:
+    since = utcnow() - timedelta(seconds=timeout)
+    rows = session.scalars(select(Coordinator).where(Coordinator.run_id == run.id))
+    return [row for row in rows if row.heartbeat_at and as_utc(row.heartbeat_at) >= since]
+
+
+def join_info(session: Session, run: Run, coordinator_timeout: float) -> JoinInfo:
+    peers = [addr for row in live_coordinators(session, run, coordinator_timeout) for addr in row.multiaddrs]
+    return JoinInfo(config=run_config(run), initial_peers=peers)
+
+
+def register_coordinator(session: Session, run: Run, peer_id: str, multiaddrs: list[str]) -> Coordinator:
+    """Record (or refresh) a coordinator of ``run``; a restart with the same identity reuses its row."""
+    row = find_coordinator(session, run, peer_id)
+    if row is None:
+        row = Coordinator(run_id=run.id, peer_id=peer_id, multiaddrs=multiaddrs, known_peers=[])
+        session.add(row)
+    row.multiaddrs, row.started_at, row.heartbeat_at = multiaddrs, utcnow(), utcnow()
+    session.commit()
+    return row
+
+
+def known_worker_addrs(session: Session, run: Run) -> list[str]:
+    """Worker addresses any coordinator of ``run`` saw lately (for bootstrapping a restarted or second one)."""
+    rows = session.scalars(select(Coordinator).where(Coordinator.run_id == run.id))
+    return sorted({addr for row in rows for addr in row.known_peers})
+
+
+def find_coordinator(session: Session, run: Run, peer_id: str) -> Optional[Coordinator]:
+    return session.scalar(select(Coordinator).where(Coordinator.run_id == run.id, Coordinator.peer_id == peer_id))
+
+
+def heartbeat(session: Session, coordinator_id: int, alive: bool = True, known_peers: Optional[list[str]] = None):
+    """Mark a coordinator alive (or stopped), remembering the worker addresses it saw if given."""
+    row = session.get(Coordinator, coordinator_id)
+    if row is not None:
+        row.heartbeat_at = utcnow() if alive else None
+        if known_peers:
+            row.known_peers = known_peers
+        session.commit()
+
