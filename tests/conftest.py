@@ -1,8 +1,10 @@
-"""Fixtures shared by the test suite: an output folder, databases (SQLite and a throwaway PostgreSQL), and a
-real loopback deployment."""
+"""Fixtures shared by the test suite: an output folder, databases (SQLite and a throwaway PostgreSQL), a real
+loopback deployment, portals and an OpenID Connect provider on loopback (sign-in tests), and a Chromium browser
+(Playwright tests). Plain helpers live in tests/support/."""
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import os
 import re
@@ -12,11 +14,17 @@ import tempfile
 from pathlib import Path
 
 import pytest
+from joserfc.jwk import RSAKey
 
+from app.core.config import Settings
 from app.core.database import make_engine, make_sessionmaker, migrate
-from tests.harness import Deployment, free_port
-
-ROOT = Path(__file__).resolve().parent.parent
+from app.identity.device import DevicePolicy
+from app.web.auth_routes import device_policy
+from app.web.main import create_app
+from tests.support.browsers import launch_chromium
+from tests.support.harness import ROOT, Deployment, free_port
+from tests.support.oidc_provider import LoopbackServer, OidcProvider
+from tests.support.portal import CLIENT_ID, CLIENT_SECRET, QUICK, SECRET_KEY, Portal
 
 
 @pytest.fixture(scope="session")
@@ -84,3 +92,60 @@ def sessions(database_url):
     engine = make_engine(database_url)
     yield make_sessionmaker(engine)
     engine.dispose()
+
+
+# sign-in: an OpenID Connect provider and portals, on loopback -----------------------------------------------------
+
+@pytest.fixture(scope="session")
+def provider_key() -> RSAKey:
+    return RSAKey.generate_key(2048, parameters={"kid": "test-session-key"})
+
+
+@pytest.fixture(scope="session")
+def provider_server(provider_key):
+    provider = OidcProvider(provider_key, CLIENT_ID, CLIENT_SECRET)
+    with LoopbackServer(provider.app) as server:
+        provider.issuer = server.url
+        yield provider
+
+
+@pytest.fixture
+def provider(provider_server) -> OidcProvider:
+    provider_server.reset()
+    return provider_server
+
+
+@pytest.fixture(scope="session")
+def migrated_database(tmp_path_factory) -> Path:
+    """One migrated SQLite file; each portal gets a copy (faster than migrating for every test)."""
+    path = tmp_path_factory.mktemp("template") / "dedloc.sqlite3"
+    migrate(f"sqlite:///{path}")
+    return path
+
+
+@pytest.fixture
+def start_portal(tmp_path, migrated_database):
+    """Start a portal (real app, uvicorn, loopback) with the given settings; all are stopped after the test."""
+    servers = contextlib.ExitStack()
+
+    def start(policy: DevicePolicy = QUICK, **overrides) -> Portal:
+        database = tmp_path / f"portal-{len(servers._exit_callbacks)}.sqlite3"
+        shutil.copy(migrated_database, database)
+        settings = Settings(database_url=f"sqlite:///{database}", data_dir=tmp_path, secret_key=SECRET_KEY,
+                            **overrides)
+        app = create_app(settings)
+        app.dependency_overrides[device_policy] = lambda: policy
+        server = servers.enter_context(LoopbackServer(app))
+        return Portal(server.url, app)
+
+    with servers:
+        yield start
+
+
+# a real browser -------------------------------------------------------------------------------------------------
+
+@pytest.fixture
+def chromium_browser():
+    """Debian's Chromium driven by Playwright, for one test (skip the module with ``needs_chromium``)."""
+    with launch_chromium() as browser:
+        yield browser

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import inspect
 import time
-from datetime import datetime, timedelta, timezone
 
 import hivemind
 import pytest
 from dedloc_worker.admission import AdmissionState, TokenCheck, admitted_peers, guard_handlers, parse_expiration
-from dedloc_common.contract import token_payload
 from dedloc_common.signing import new_private_key, peer_id_of, public_openssh, sign
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon import P2PContext
@@ -23,15 +21,7 @@ from app.runs import registry
 from app.authority import tokens
 from app.core.config import Settings
 from app.core.errors import Forbidden, Invalid, TooManyRequests
-
-
-def make_token(authority, username: str, peer_key: RSAPrivateKey, lifetime: float = 600) -> AccessToken:
-    expires = (datetime.now(timezone.utc) + timedelta(seconds=lifetime)).replace(tzinfo=None)
-    expiration_time = expires.isoformat(timespec="seconds")
-    public_key = peer_key.get_public_key().to_bytes()
-    signature = sign(authority, token_payload(username, public_key, expiration_time))
-    return AccessToken(username=username, public_key=public_key, expiration_time=expiration_time,
-                       signature=signature.encode())
+from tests.support.factories import peer_token
 
 
 def test_portal_signatures_verify_with_hivemind():
@@ -51,11 +41,11 @@ def test_peer_id_of_a_token_key_is_the_libp2p_peer_id():
 def test_token_check_names_what_is_wrong():
     authority, stranger, peer = new_private_key(), new_private_key(), RSAPrivateKey()
     check = TokenCheck(public_openssh(authority).decode())
-    assert check.verdict(make_token(authority, "alice", peer)) == ""
-    assert "signature" in check.verdict(make_token(stranger, "alice", peer))
-    assert "expired" in check.verdict(make_token(authority, "alice", peer, lifetime=-5))
-    assert "banned" in check.verdict(make_token(authority, "alice", peer), frozenset({"alice"}))
-    forged = make_token(authority, "alice", peer)
+    assert check.verdict(peer_token(authority, "alice", peer)) == ""
+    assert "signature" in check.verdict(peer_token(stranger, "alice", peer))
+    assert "expired" in check.verdict(peer_token(authority, "alice", peer, lifetime=-5))
+    assert "banned" in check.verdict(peer_token(authority, "alice", peer), frozenset({"alice"}))
+    forged = peer_token(authority, "alice", peer)
     forged.username = "mallory"  # a valid signature over another name
     assert "signature" in check.verdict(forged)
 
@@ -64,8 +54,8 @@ def test_admitted_peers_keep_only_valid_tokens(tmp_path):
     authority = new_private_key()
     check = TokenCheck(public_openssh(authority).decode())
     good, banned, expired = RSAPrivateKey(), RSAPrivateKey(), RSAPrivateKey()
-    peers = admitted_peers([make_token(authority, "alice", good), make_token(authority, "bob", banned),
-                            make_token(authority, "carol", expired, lifetime=-1)], check, frozenset({"bob"}))
+    peers = admitted_peers([peer_token(authority, "alice", good), peer_token(authority, "bob", banned),
+                            peer_token(authority, "carol", expired, lifetime=-1)], check, frozenset({"bob"}))
     assert list(peers) == [peer_id_of(good.get_public_key().to_bytes())]
     state = AdmissionState(tmp_path)
     state.write_admitted(peers, ["bob"])
@@ -167,7 +157,7 @@ def test_an_expired_token_with_the_portal_unreachable_stops_the_worker_with_word
 
     authority, peer = new_private_key(), RSAPrivateKey()
     state = AdmissionState(tmp_path)
-    state.write_token(make_token(authority, "alice", peer, lifetime=-1))
+    state.write_token(peer_token(authority, "alice", peer, lifetime=-1))
 
     def portal_down():
         raise PortalError("cannot reach the portal at http://portal.invalid")

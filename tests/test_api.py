@@ -13,7 +13,7 @@ from app.runs import registry
 from app.core.config import Settings
 from app.runs.snapshots import record_snapshot
 from app.web.main import create_app
-from tests.test_database import contribution, seed_credit
+from tests.support.factories import contribution, seed_credit
 
 
 @pytest.fixture

@@ -7,12 +7,9 @@ import json
 import signal
 import sys
 import time
-from datetime import datetime, timedelta, timezone
-from pathlib import Path
 
 import pytest
-from dedloc_common.contract import token_payload
-from dedloc_common.signing import new_private_key, sign
+from dedloc_common.signing import new_private_key
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -22,19 +19,12 @@ from app.authority import tokens
 from app.core.processes import group_members
 from app.core.config import Settings
 from app.core.database import make_engine, make_sessionmaker
-from tests.harness import wait_for
+from tests.support.actors import ATTACKER
+from tests.support.factories import peer_token
+from tests.support.harness import wait_for
 
 pytestmark = pytest.mark.swarm
-ATTACKER = Path(__file__).with_name("attacker.py")
 CALLS = ("dht_find", "dht_store", "matchmaking", "allreduce_part", "state_download")
-
-
-def signed_token(authority, username: str, key: RSAPrivateKey, lifetime: float) -> AccessToken:
-    expiration = (datetime.now(timezone.utc) + timedelta(seconds=lifetime)).replace(tzinfo=None)
-    expiration_time = expiration.isoformat(timespec="seconds")
-    public_key = key.get_public_key().to_bytes()
-    return AccessToken(username=username, public_key=public_key, expiration_time=expiration_time,
-                       signature=sign(authority, token_payload(username, public_key, expiration_time)).encode())
 
 
 def start_attack(deployment, victim: str, key: RSAPrivateKey, token: AccessToken | None, name: str):
@@ -67,22 +57,22 @@ def test_no_token_forged_expired_stolen_or_banned_gets_nothing_and_a_killed_peer
         run = registry.get_run(session, deployment.slug)
         authority = tokens.authority_key(session, settings, run)
         mallory_key = RSAPrivateKey()
-        mallory = signed_token(authority, "mallory", mallory_key, 600)
+        mallory = peer_token(authority, "mallory", mallory_key, 600)
         tokens.ban_user(session, run, "mallory", banned_by="test")
     engine.dispose()
 
     # The harness itself must be able to reach everything: a legitimate token on the attacker's own key
     # (started with the attacks: admission is per peer, so one caller's success says nothing for another's).
     carol = RSAPrivateKey()
-    start_attack(deployment, victim, carol, signed_token(authority, "carol", carol, 600), "control")
+    start_attack(deployment, victim, carol, peer_token(authority, "carol", carol, 600), "control")
 
     # Each attacker has a fresh key (carol's stays admitted while her token lives).
     keys = {name: RSAPrivateKey() for name in ("none", "forged", "expired", "stolen")}
     attempts = {
         "no token": (keys["none"], None),
-        "forged": (keys["forged"], signed_token(new_private_key(), "alice", keys["forged"], 600)),
-        "expired": (keys["expired"], signed_token(authority, "alice", keys["expired"], -60)),
-        "stolen (valid token of another key)": (keys["stolen"], signed_token(authority, "alice", RSAPrivateKey(), 600)),
+        "forged": (keys["forged"], peer_token(new_private_key(), "alice", keys["forged"], 600)),
+        "expired": (keys["expired"], peer_token(authority, "alice", keys["expired"], -60)),
+        "stolen (valid token of another key)": (keys["stolen"], peer_token(authority, "alice", RSAPrivateKey(), 600)),
         "banned": (mallory_key, mallory),
     }
     for name, (key, token) in attempts.items():  # all at once: the swarm is under attack from five sides
@@ -94,8 +84,8 @@ def test_no_token_forged_expired_stolen_or_banned_gets_nothing_and_a_killed_peer
         refused = {call: result for call, result in outcome.items() if result.startswith("refused")}
         assert set(refused) == set(CALLS), f"{name}: {outcome}"
 
-    # Then an honest peer dies without a goodbye (SIGKILL): hivemind's children outlive it (hivemind-notes, pitfall
-    # 3) until its process group is ended, and the survivor carries on alone within the averaging timeout.
+    # Then an honest peer dies without a goodbye (SIGKILL): hivemind's children outlive it (docs/hivemind.md#pitfalls,
+    # pitfall 3) until its process group is ended, and the survivor carries on alone within the averaging timeout.
     bob = deployment.processes["bob"]
     deployment.kill("bob")
     assert group_members(bob.pid), "expected hivemind's children to outlive a SIGKILLed worker"

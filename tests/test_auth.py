@@ -1,17 +1,14 @@
 """Sign-in and device login through the real portal served on loopback: a real OpenID Connect exchange with a
-provider served by the tests (tests/oidc_provider.py), the development sign-in, the device authorization grant
-with the worker's own client, API credentials, and the worker's credentials file."""
+provider served by the tests (tests/support/oidc_provider.py), the development sign-in, the device authorization
+grant with the worker's own client, API credentials, and the worker's credentials file."""
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import re
 import shutil
 import stat
-import threading
 from datetime import timedelta
-from pathlib import Path
 from typing import Optional
 from urllib.parse import parse_qs, urlencode, urlsplit
 
@@ -19,9 +16,7 @@ import httpx
 import pytest
 from dedloc_worker.errors import PortalError
 from dedloc_worker.login import Credential, device_login, forget_credential, load_credential, save_credential
-from fastapi import FastAPI
 from fastapi.testclient import TestClient
-from joserfc.jwk import RSAKey
 from sqlalchemy import inspect, select
 
 from app.identity.device import DevicePolicy
@@ -29,75 +24,13 @@ from app.identity.models import ApiCredential, DeviceCode, User
 from app.core.config import Settings
 from app.core.database import downgrade, make_engine, migrate
 from app.core.clock import utcnow
-from app.web.auth_routes import device_policy
 from app.web.main import create_app
-from tests.oidc_provider import LoopbackServer, OidcProvider
+from tests.support.portal import CLIENT_ID, CLIENT_SECRET, SECRET_KEY, LoginThread, Portal, form_token
 
-CLIENT_ID, CLIENT_SECRET = "dedloc-portal", "provider-secret-for-tests"
-SECRET_KEY = "a-test-secret-key-of-at-least-32-characters"
 BROWSER = {"accept": "text/html,application/xhtml+xml"}
-QUICK = DevicePolicy(lifetime=30, interval=1)  # device codes polled every second: tests stay short
 
 
 # fixtures --------------------------------------------------------------------------------------------------------
-
-@pytest.fixture(scope="session")
-def provider_key() -> RSAKey:
-    return RSAKey.generate_key(2048, parameters={"kid": "test-session-key"})
-
-
-@pytest.fixture(scope="session")
-def provider_server(provider_key):
-    provider = OidcProvider(provider_key, CLIENT_ID, CLIENT_SECRET)
-    with LoopbackServer(provider.app) as server:
-        provider.issuer = server.url
-        yield provider
-
-
-@pytest.fixture
-def provider(provider_server) -> OidcProvider:
-    provider_server.reset()
-    return provider_server
-
-
-@pytest.fixture(scope="session")
-def migrated_database(tmp_path_factory) -> Path:
-    """One migrated SQLite file; each portal gets a copy (faster than migrating for every test)."""
-    path = tmp_path_factory.mktemp("template") / "dedloc.sqlite3"
-    migrate(f"sqlite:///{path}")
-    return path
-
-
-class Portal:
-    def __init__(self, url: str, app: FastAPI):
-        self.url, self.app = url, app
-
-    def db(self):
-        return self.app.state.sessions()
-
-    def users(self) -> list[str]:
-        with self.db() as session:
-            return list(session.scalars(select(User.username).order_by(User.username)))
-
-
-@pytest.fixture
-def start_portal(tmp_path, migrated_database):
-    """Start a portal (real app, uvicorn, loopback) with the given settings; all are stopped after the test."""
-    servers = contextlib.ExitStack()
-
-    def start(policy: DevicePolicy = QUICK, **overrides) -> Portal:
-        database = tmp_path / f"portal-{len(servers._exit_callbacks)}.sqlite3"
-        shutil.copy(migrated_database, database)
-        settings = Settings(database_url=f"sqlite:///{database}", data_dir=tmp_path, secret_key=SECRET_KEY,
-                            **overrides)
-        app = create_app(settings)
-        app.dependency_overrides[device_policy] = lambda: policy
-        server = servers.enter_context(LoopbackServer(app))
-        return Portal(server.url, app)
-
-    with servers:
-        yield start
-
 
 @pytest.fixture
 def portal(start_portal) -> Portal:
@@ -117,10 +50,6 @@ def browser():
 
 
 # helpers ---------------------------------------------------------------------------------------------------------
-
-def form_token(html: str) -> str:
-    return re.search(r'name="csrf" value="([^"]+)"', html).group(1)
-
 
 def dev_sign_in(client: httpx.Client, portal: Portal, username: str, next: str = "/") -> httpx.Response:
     page = client.get(f"{portal.url}/signin", params={"next": next})
@@ -158,35 +87,6 @@ def oidc_redirects(client: httpx.Client, portal: Portal) -> str:
     back = client.get(to_provider.headers["location"])
     assert back.status_code == 302, back.text
     return back.headers["location"]
-
-
-class LoginThread(threading.Thread):
-    """``device_login`` running as the worker would, while the test plays the person in the browser."""
-
-    def __init__(self, portal: Portal):
-        super().__init__(daemon=True)
-        self.portal, self.lines, self.said = portal, [], threading.Event()
-        self.credential: Optional[Credential] = None
-        self.error: Optional[Exception] = None
-
-    def say(self, line: str) -> None:
-        self.lines.append(line)
-        self.said.set()
-
-    def run(self) -> None:
-        try:
-            self.credential = device_login(self.portal.url, say=self.say)
-        except Exception as e:  # handed to the test, which reads it
-            self.error = e
-
-    def user_code(self) -> str:
-        assert self.said.wait(10), "device_login printed nothing"
-        return re.search(r"enter the code ([A-Z]{4}-[A-Z]{4})", self.lines[0]).group(1)
-
-    def finish(self) -> "LoginThread":
-        self.join(20)
-        assert not self.is_alive(), "device_login did not return"
-        return self
 
 
 # OpenID Connect --------------------------------------------------------------------------------------------------

@@ -4,33 +4,19 @@ loopback OpenID Connect provider, and approves a device code while the worker's 
 from __future__ import annotations
 
 import re
-from pathlib import Path
-
 import pytest
 
-from tests import test_auth
-from tests.test_auth import CLIENT_ID, CLIENT_SECRET, LoginThread
+from tests.support.browsers import launch_chromium, needs_chromium
+from tests.support.portal import CLIENT_ID, CLIENT_SECRET, LoginThread
 
-# The fixtures of the protocol-level tests: the provider on loopback, and portals served by uvicorn.
-provider_key, provider_server, provider = test_auth.provider_key, test_auth.provider_server, test_auth.provider
-migrated_database, start_portal = test_auth.migrated_database, test_auth.start_portal
-
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-quic"]
-
-pytestmark = pytest.mark.skipif(not CHROMIUM.exists(),
-                                reason="Debian's chromium is not installed (apt-get install chromium)")
+# The provider on loopback and the portals served by uvicorn are fixtures of tests/conftest.py.
+pytestmark = needs_chromium
 
 
 @pytest.fixture(scope="module")
 def chromium():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+    with launch_chromium() as browser:
         yield browser
-        browser.close()
 
 
 @pytest.fixture

@@ -194,7 +194,8 @@ def average_once(averagers, weights, seed, attempts: int = 3):
     """One complete round over fresh seeded vectors; returns (expected weighted mean, results, records by peer id).
 
     hivemind 1.1.12 now and then loses a part on loopback ("received 99% results": the peer keeps its own values
-    there); bench-notes count such a round as failed, and so does this test: it tries again with fresh vectors.
+    there); the benches count such a round as failed (docs/benchmarks.md#reference-figures), and so does this
+    test: it tries again with fresh vectors.
     """
     for attempt in range(attempts):
         expected, results, records = _average(averagers, weights, seed + 1000 * attempt)

@@ -15,7 +15,7 @@ import sys
 import pytest
 
 from bench.emulate_averaging import MODES, namespaces_unavailable
-from tests.conftest import ROOT
+from tests.support.harness import ROOT
 
 KEYS = {"profile", "mode", "ring", "equal", "hivemind", "planner", "lower_bound"}
 

@@ -5,42 +5,25 @@ from __future__ import annotations
 import re
 import signal
 from datetime import datetime, timezone
-from pathlib import Path
 
 import pytest
 
-from tests.harness import tagged_processes, wait_for
+from tests.support.browsers import needs_chromium
+from tests.support.harness import tagged_processes, wait_for
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--no-sandbox", "--disable-gpu", "--disable-background-networking", "--disable-component-update",
-                 "--disable-sync", "--no-first-run", "--disable-quic"]
-
-pytestmark = [
-    pytest.mark.swarm,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed (apt-get install chromium)"),
-]
-
-
-@pytest.fixture
-def browser():
-    from playwright.sync_api import sync_playwright
-
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
-        yield browser
-        browser.close()
+pytestmark = [pytest.mark.swarm, needs_chromium]
 
 
 def counter(page) -> int:
     return int(page.locator("#samples_total").inner_text().replace(",", ""))
 
 
-def test_the_dashboard_of_a_running_demo_moves_without_a_reload(deployment, browser, output_dir):
+def test_the_dashboard_of_a_running_demo_moves_without_a_reload(deployment, chromium_browser, output_dir):
     demo = deployment.start("demo", "-m", "app.cli", "demo")
     url = f"{deployment.url}/runs/demo"
     wait_for(lambda: deployment.get("/api/v1/runs/demo/swarm")["samples_total"] > 0, 150, "the demo to credit samples")
 
-    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    page = chromium_browser.new_page(viewport={"width": 1280, "height": 900})
     navigations = []
     page.on("framenavigated", lambda frame: navigations.append(frame.url))
     page.goto(url)

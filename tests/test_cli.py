@@ -8,7 +8,7 @@ import sys
 
 from dedloc_worker.join import CREDENTIAL_ENV
 
-from tests.harness import free_port
+from tests.support.harness import free_port
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -5,7 +5,7 @@ and the credited and held series of /metrics. Hidden users appear in no public p
 from __future__ import annotations
 
 import re
-from datetime import datetime, timedelta, timezone
+from datetime import datetime, timedelta
 
 import pytest
 from fastapi.testclient import TestClient
@@ -16,54 +16,10 @@ from app.credit.ledger import leaderboard
 from app.identity.models import User
 from app.core.config import Settings
 from app.credit.review import REASON_LENGTH, released_reason
-from app.models import Contribution, Peer
 from app.credit.standings import team_leaderboard
 from app.web.main import create_app
-
-ALICE_KEY, ALICE_KEY_2 = "ab12cd34" + "5" * 56, "ef56ab78" + "9" * 56
-TOO_FAST = "claimed 40,000 samples/s, ceiling is 5,000"
-ALONE = "alone in its averaging group"
-START = datetime(2025, 3, 1, 12, 0, tzinfo=timezone.utc)
-HIDDEN_NAME = "carol-hidden"  # distinctive: found in a page only if the page names her
-
-
-def add(session, run, username, key, epoch, samples, credited=None, reason=None):
-    credited = samples if credited is None else credited
-    session.add(Contribution(run_id=run.id, peer_key=key, epoch=epoch, username=username, samples=samples,
-                             loss_sum=2.0 * samples, mini_steps=samples // 16, seconds=2.0, credited=credited,
-                             held=samples - credited, reason=reason, recorded_at=START + timedelta(minutes=epoch)))
-
-
-def populate(session) -> None:
-    """Two runs. demo: alice 600 credited and 400 held (two reasons), bob 700, the hidden carol 5,000, ghost (no
-    user row) 50. second: alice 1,000, dave (no team) 200 and 20 held. alice, bob and carol are in team hf-org."""
-    demo = registry.create_run(session, slug="demo", title="Demo run")
-    second = registry.create_run(session, slug="second", title="Second run")
-    session.add_all([
-        User(username="alice", team="hf-org", organizations=["hf-org", "other-org"]),
-        User(username="bob", team="hf-org", organizations=["hf-org"]),
-        User(username=HIDDEN_NAME, team="hf-org", organizations=["hf-org"], hidden=True),
-        User(username="dave"), User(username="olivia"),
-        Peer(run_id=demo.id, peer_key=ALICE_KEY, username="alice", hardware="NVIDIA GeForce RTX 3090 (24 GiB)",
-             first_seen=START, last_seen=START + timedelta(minutes=3)),
-        Peer(run_id=second.id, peer_key=ALICE_KEY_2, username="alice", hardware="CPU, 8 cores",
-             first_seen=START, last_seen=START + timedelta(minutes=1)),
-        Peer(run_id=demo.id, peer_key="c" * 64, username=HIDDEN_NAME, hardware="secret box"),
-    ])
-    add(session, demo, "alice", ALICE_KEY, 0, 300)
-    add(session, demo, "alice", ALICE_KEY, 1, 200)
-    add(session, demo, "alice", ALICE_KEY, 2, 400, credited=100, reason=TOO_FAST)
-    add(session, demo, "alice", ALICE_KEY, 3, 100, credited=0, reason=ALONE)
-    add(session, demo, "bob", "b" * 64, 1, 700)
-    add(session, demo, HIDDEN_NAME, "c" * 64, 1, 5000)
-    add(session, demo, "ghost", "d" * 64, 2, 50)
-    add(session, second, "alice", ALICE_KEY_2, 0, 1000)
-    add(session, second, "dave", "e" * 64, 0, 220, credited=200, reason=ALONE)
-    session.commit()
-
-
-def form_token(html: str) -> str:
-    return re.search(r'name="csrf" value="([^"]+)"', html).group(1)
+from tests.support.factories import ALICE_KEY, ALONE, HIDDEN_NAME, START, TOO_FAST, populate
+from tests.support.portal import form_token
 
 
 def sign_in(client: TestClient, username: str) -> TestClient:

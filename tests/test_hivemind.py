@@ -1,4 +1,4 @@
-"""hivemind 1.1.12's pitfalls (../shared/hivemind-notes.md), each handled in our code and checked here."""
+"""hivemind 1.1.12's pitfalls (docs/hivemind.md#pitfalls), each handled in our code and checked here."""
 
 from __future__ import annotations
 
@@ -12,6 +12,8 @@ from dedloc_worker.records import add_record_validators, publish_metrics, read_m
 from dedloc_worker.swarm import create_dht, create_optimizer
 
 from app.core.processes import group_members
+from tests.support.actors import FAULTY_TASK
+from tests.support.harness import ROOT
 
 pytestmark = [
     pytest.mark.swarm,
@@ -91,10 +93,8 @@ def test_signed_records_are_readable_by_a_validating_reader_and_unforgeable(two_
 def test_a_failing_task_ends_the_worker_cleanly(deployment, monkeypatch):
     """Pitfall 4 (and 3): an exception in the training loop must neither hang the worker nor leave its hivemind
     processes behind: it exits with a one-line reason and its process group is empty, without our help."""
-    from tests.conftest import ROOT
-
     deployment.env["PYTHONPATH"] = str(ROOT)
-    done = deployment.cli("create-run", deployment.slug, "--task", "tests.faulty_task:ExplodingTask",
+    done = deployment.cli("create-run", deployment.slug, "--task", FAULTY_TASK,
                           "--target-batch-size", "4096", "--task-options", '{"explode_after": 5}')
     assert done.returncode == 0, done.stderr
     deployment.start_portal()
@@ -103,7 +103,7 @@ def test_a_failing_task_ends_the_worker_cleanly(deployment, monkeypatch):
     worker = deployment.start_worker("alice")
     assert worker.wait(90) == 4
     log = (deployment.logs / "alice.log").read_text()
-    assert "dedloc-worker: task 'tests.faulty_task:ExplodingTask' failed: RuntimeError: corrupt batch" in log
+    assert f"dedloc-worker: task '{FAULTY_TASK}' failed: RuntimeError: corrupt batch" in log
     assert "Traceback" not in log.split("joining run")[-1]
     deadline = time.monotonic() + 5
     while group_members(worker.pid) and time.monotonic() < deadline:

@@ -30,7 +30,7 @@ from app.planner import (
 from bench import simulate_averaging
 
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
-V = 10e6  # bytes, the vector of bench-notes.md's hivemind reference runs
+V = 10e6  # bytes, the vector of the hivemind reference runs (docs/benchmarks.md#reference-figures)
 
 
 def peer(name: str, up_mbit: float, down_mbit: float | None = None, **role: bool) -> PeerProfile:
@@ -39,7 +39,7 @@ def peer(name: str, up_mbit: float, down_mbit: float | None = None, **role: bool
 
 
 def reference_swarm() -> list[PeerProfile]:
-    """bench-notes.md: one peer at 400 Mbit/s and three at 50 Mbit/s."""
+    """docs/benchmarks.md#reference-figures: one peer at 400 Mbit/s and three at 50 Mbit/s."""
     return [peer("fast", 400)] + [peer(f"slow{i}", 50) for i in range(3)]
 
 
@@ -58,7 +58,7 @@ def test_homogeneous_peers_share_equally_and_match_ring_allreduce():
     peers = [peer(f"p{i}", 100) for i in range(6)]
     plan = plan_averaging(peers, V)
     assert plan.shares == pytest.approx({p.peer: 1 / 6 for p in peers}, rel=1e-6)
-    expected = 2 * 5 / 6 * V / (100 * MBIT)  # bench-notes: 2 (n - 1) / n * V / B
+    expected = 2 * 5 / 6 * V / (100 * MBIT)  # docs/benchmarks.md#lower-bounds: 2 (n - 1) / n * V / B
     assert plan.predicted_seconds == pytest.approx(expected, rel=1e-6)
     assert plan.lower_bound_seconds == pytest.approx(expected, rel=1e-9)
     assert ring_allreduce_seconds(peers, V) == pytest.approx(expected, rel=1e-9)

@@ -16,7 +16,7 @@ from app.cli.main import main
 from app.core.config import Settings
 from app.credit.stats_export import FILES, export_if_due, export_stats, stats_dir
 from app.web.main import create_app
-from tests.test_contribution_pages import HIDDEN_NAME, START, populate
+from tests.support.factories import HIDDEN_NAME, START, populate
 
 
 def read(path) -> str:

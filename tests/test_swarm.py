@@ -4,16 +4,14 @@ from __future__ import annotations
 
 import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
-from tests.harness import wait_for
+from tests.support.actors import LIAR, WITNESS
+from tests.support.harness import wait_for
 
 pytestmark = pytest.mark.swarm
-WITNESS = Path(__file__).with_name("witness.py")
-LIAR = Path(__file__).with_name("liar.py")
 
 
 def reported_samples(deployment, username: str) -> int:

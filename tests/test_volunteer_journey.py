@@ -13,13 +13,10 @@ import zipfile
 import httpx
 import pytest
 
-from tests.harness import wait_for
-from tests.test_browser import CHROMIUM, browser  # noqa: F401  (the fixture)
+from tests.support.browsers import needs_chromium
+from tests.support.harness import wait_for
 
-pytestmark = [
-    pytest.mark.swarm,
-    pytest.mark.skipif(not CHROMIUM.exists(), reason="Debian's chromium is not installed (apt-get install chromium)"),
-]
+pytestmark = [pytest.mark.swarm, needs_chromium]
 
 
 def sign_in(page, url: str, username: str) -> None:
@@ -29,11 +26,11 @@ def sign_in(page, url: str, username: str) -> None:
     assert page.locator("#signed-in-as").inner_text() == username
 
 
-def test_sign_in_copy_two_lines_approve_train_and_get_banned(deployment, browser, output_dir, tmp_path):  # noqa: F811
+def test_sign_in_copy_two_lines_approve_train_and_get_banned(deployment, chromium_browser, output_dir, tmp_path):
     deployment.env["DEDLOC_ORGANIZERS"] = '["olivia"]'
     deployment.start_swarm(["alice"])  # a run already under way: its founder trains
 
-    page = browser.new_page()
+    page = chromium_browser.new_page()
     sign_in(page, deployment.url, "vera")
     page.goto(f"{deployment.url}/runs/{deployment.slug}/join")
     install, join = page.locator("#install-line").inner_text(), page.locator("#join-line").inner_text()
@@ -69,7 +66,7 @@ def test_sign_in_copy_two_lines_approve_train_and_get_banned(deployment, browser
     # Vera is no organizer; Olivia is, and bans her from the web UI while her worker runs.
     page.goto(f"{deployment.url}/runs/{deployment.slug}/organize")
     assert "not an organizer" in page.content()
-    organizer = browser.new_page()
+    organizer = chromium_browser.new_page()
     sign_in(organizer, deployment.url, "olivia")
     organizer.goto(f"{deployment.url}/runs/{deployment.slug}/organize")
     assert "vera" in organizer.locator("#holders").inner_text()

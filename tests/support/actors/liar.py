@@ -1,7 +1,8 @@
 """A worker patched to lie about its contribution, as a cheater would patch dedloc-worker.
 
-    python tests/liar.py metrics|both <dedloc-worker arguments>
-    python tests/liar.py metrics|both tests/witness.py FOLDER <dedloc-worker arguments>   (a liar, witnessed)
+    python tests/support/actors/liar.py metrics|both <dedloc-worker arguments>
+    python tests/support/actors/liar.py metrics|both tests/support/actors/witness.py FOLDER <dedloc-worker arguments>
+        (a liar, witnessed)
 
 metrics: claims 100x its samples in its signed metrics record only.
 both:    also averages with 100x its weight, so aggregators see (and confirm) the inflated number.

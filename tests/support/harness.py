@@ -27,6 +27,7 @@ from app.models import Contribution
 from app.core.processes import kill_group, spawn, stop
 
 TAG = "DEDLOC_TEST_TAG"
+ROOT = Path(__file__).resolve().parents[2]  # the repository
 
 
 def free_port() -> int:

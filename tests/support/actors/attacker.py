@@ -1,7 +1,7 @@
 """An attacker against a running swarm, in its own process: it tries every kind of call on one victim peer and
 prints, as JSON, what each returned: "refused", or "reached" when the victim's handler answered.
 
-    python tests/attacker.py VICTIM_MULTIADDR RUN_ID KEY_FILE [--token FILE]
+    python tests/support/actors/attacker.py VICTIM_MULTIADDR RUN_ID KEY_FILE [--token FILE]
 
 KEY_FILE holds the attacker's RSA private key (DER); --token a serialized AccessToken (absent: no token at all).
 """

@@ -1,6 +1,6 @@
 """dedloc-worker, writing down every gradient all-reduce it takes part in, for a test to check the arithmetic.
 
-    python tests/witness.py FOLDER <dedloc-worker arguments>
+    python tests/support/actors/witness.py FOLDER <dedloc-worker arguments>
 
 For each round, FOLDER/<group>-<peer>.pt holds this peer's vector before and after the all-reduce, the weight it
 averaged with, whether every part came and went (hivemind now and then loses one), the group's members and the fractions of the vector each aggregated (the plan's split, or

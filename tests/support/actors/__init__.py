@@ -1,0 +1,16 @@
+"""Code that runs in a process a test starts, not in the test's own: run as scripts, or loaded by the worker.
+
+- ``attacker.py``: a peer without a valid token trying every RPC on a victim (tests/test_attacks.py).
+- ``liar.py``: dedloc-worker patched to claim 100x its samples (tests/test_swarm.py).
+- ``witness.py``: dedloc-worker recording every gradient all-reduce it takes part in (tests/test_swarm.py).
+- ``faulty_task.py``: a task plugin that raises after a few mini-steps, loaded by the worker as
+  ``tests.support.actors.faulty_task:ExplodingTask`` (tests/test_hivemind.py).
+"""
+
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ATTACKER = HERE / "attacker.py"
+LIAR = HERE / "liar.py"
+WITNESS = HERE / "witness.py"
+FAULTY_TASK = "tests.support.actors.faulty_task:ExplodingTask"
