@@ -1,22 +1,34 @@
-# The portal and the coordinator in one image (run one container per role):
-#   docker run -p 8000:8000 -v dedloc:/data IMAGE                       # the web portal
-#   docker run -v dedloc:/data IMAGE dedloc coordinator --run SLUG      # a run's coordinator
+# Two images from one file, both installed from the built package (no source tree at run time):
+#   docker build --target portal -t dedloc-portal .            # the web portal: no torch, no hivemind
+#   docker build --target coordinator -t dedloc-coordinator .  # adds the swarm stack for `dedloc coordinator`
+#   docker run -p 8000:8000 -v dedloc:/data dedloc-portal
+#   docker run -v dedloc:/data dedloc-coordinator dedloc coordinator --run SLUG
 # Set DATABASE_URL=postgresql+psycopg://... to share PostgreSQL between several portal containers.
-FROM python:3.11-slim
 
+# The wheels: dedloc (templates, migrations, static files and the volunteers' wheels inside) and dedloc-common.
+FROM python:3.11-slim AS build
+WORKDIR /src
+COPY . .
+RUN pip wheel --no-deps -w /wheels ./common . && ls /wheels
+
+FROM python:3.11-slim AS portal
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 DEDLOC_DATA_DIR=/data DEDLOC_HOST=0.0.0.0
-WORKDIR /srv/dedloc
-
-COPY constraints.txt pyproject.toml alembic.ini ./
-COPY worker ./worker
-# torch alone first, pinned: point pip at a CPU wheel index (PIP_INDEX_URL) to keep the image small.
-RUN pip install -c constraints.txt torch==2.13.0
-COPY app ./app
-COPY templates ./templates
-COPY migrations ./migrations
-RUN pip install -c constraints.txt ./worker . && useradd --create-home dedloc && mkdir -p /data \
-    && chown dedloc /data
+COPY --from=build /wheels /wheels
+COPY constraints.txt /wheels/
+RUN pip install -c /wheels/constraints.txt /wheels/dedloc_common-*.whl /wheels/dedloc-*.whl \
+    && useradd --create-home dedloc && mkdir -p /data && chown dedloc /data
 USER dedloc
+WORKDIR /home/dedloc
 VOLUME /data
 EXPOSE 8000
 CMD ["dedloc", "serve"]
+
+FROM portal AS coordinator
+USER root
+# torch alone first, pinned: point pip at a CPU wheel index (PIP_INDEX_URL) to keep the image small.
+# The coordinator extra is the worker (hivemind) and scipy; the worker wheel is the one the portal serves.
+RUN pip install -c /wheels/constraints.txt torch==2.13.0 \
+    && pip install -c /wheels/constraints.txt scipy \
+       "$(python -c 'from app.core.resources import wheels_dir; print(next(wheels_dir().glob("dedloc_worker-*.whl")))')"
+USER dedloc
+CMD ["dedloc", "coordinator", "--help"]

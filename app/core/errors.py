@@ -1,4 +1,5 @@
-"""Errors of the portal and coordinator, mapped to HTTP in ``web/errors.py`` and to exit codes in ``cli.py``.
+"""Errors of the portal and coordinator, mapped to HTTP in ``app/web/main.py`` and to exit codes in
+``app/cli/main.py``.
 
     DedlocError
     ├── NotFound       a run (or other object) that does not exist (HTTP 404, exit 2)

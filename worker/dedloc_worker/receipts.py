@@ -4,7 +4,7 @@ hivemind weights each sender's part by the samples it accumulated, and the aggre
 and the round's group id. The aggregators run in a child process (the gradient averager); it appends one line
 per part received, and one per round this peer itself joins, to a file in the worker's private folder. The main
 process collects the lines when an epoch closes and publishes them, signed, with its metrics record. The
-coordinator credits a claim only when another member of the same group confirms its weight (app/crediting.py).
+coordinator credits a claim only when another member of the same group confirms its weight (app/credit/settlement.py).
 Groups, not epoch numbers, tie claims to receipts: peers one epoch apart can share a round.
 """
 

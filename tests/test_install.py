@@ -1,0 +1,82 @@
+"""The installed package is the product: the portal's wheel, installed without -e into a fresh virtualenv outside
+the checkout, migrates, serves its pages and the volunteers' wheels, and has neither torch nor hivemind."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+import venv
+from pathlib import Path
+
+import httpx
+import pytest
+
+from app.core.processes import spawn, stop
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Every portal module a web process may import (the coordinator, the planner and the demo are the swarm's side).
+WEB_IMPORTS = ("import sys, app.web.main, app.cli.main, app.credit.stats_export; app.web.main.create_app(); "
+               "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'hivemind', 'dedloc_worker')))")
+
+
+def run(*args, **kwargs) -> subprocess.CompletedProcess:
+    done = subprocess.run([str(a) for a in args], capture_output=True, text=True, timeout=600, **kwargs)
+    assert done.returncode == 0, f"{args}: {done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+    return done
+
+
+@pytest.fixture(scope="module")
+def installed(tmp_path_factory) -> Path:
+    """A virtualenv holding the built dedloc and dedloc-common wheels, and what they depend on."""
+    root = tmp_path_factory.mktemp("installed")
+    wheels = root / "wheels"
+    for source in (ROOT / "common", ROOT):
+        run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels, source)
+    env_dir = root / "venv"
+    venv.EnvBuilder(with_pip=True).create(env_dir)
+    python = env_dir / "bin" / "python"
+    run(python, "-m", "pip", "install", "-q", "--no-compile", "-c", ROOT / "constraints.txt",
+        *sorted(wheels.glob("dedloc-*.whl")), *sorted(wheels.glob("dedloc_common-*.whl")))
+    return env_dir
+
+
+def test_the_installed_portal_serves_from_any_folder(installed, tmp_path):
+    from tests.support.harness import free_port, wait_for
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    port = free_port()
+    env = {"DEDLOC_DATA_DIR": str(tmp_path / "data"), "DEDLOC_PORT": str(port), "DATABASE_URL": "",
+           "PATH": f"{installed / 'bin'}:{os.environ['PATH']}", "PYTHONPATH": ""}
+    dedloc = installed / "bin" / "dedloc"
+    run(dedloc, "create-run", "probe", "--title", "Installed", cwd=elsewhere, env={**os.environ, **env})
+    portal = spawn([str(dedloc), "serve"], log=tmp_path / "portal.log", env=env, cwd=elsewhere)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_for(lambda: httpx.get(f"{url}/healthz").status_code == 200, 60, "the installed portal")
+        assert "Installed" in httpx.get(f"{url}/runs/probe").raise_for_status().text
+        join = httpx.get(f"{url}/runs/probe/join").raise_for_status().text
+        links = re.findall(rf"{url}/downloads/[\w.-]+\.whl", join)
+        assert [link.rsplit("/", 1)[1].split("-")[0] for link in links] == ["dedloc_common", "dedloc_worker"]
+        for link in links:
+            wheel = httpx.get(link).raise_for_status()
+            assert wheel.content[:2] == b"PK" and len(wheel.content) > 1000
+        assert httpx.get(f"{url}/downloads/nothing.whl").status_code == 404
+    finally:
+        stop(portal)
+    log = (tmp_path / "portal.log").read_text()
+    assert "Traceback" not in log, log[-3000:]
+
+    # The web portal alone: no deep-learning stack installed, and the web modules import without it.
+    for package in ("torch", "hivemind", "dedloc-worker", "scipy"):
+        shown = subprocess.run([installed / "bin" / "pip", "show", "-q", package], capture_output=True, text=True)
+        assert shown.returncode != 0, f"{package} is installed with the portal"
+    imported = run(installed / "bin" / "python", "-c", WEB_IMPORTS, cwd=elsewhere, env={**os.environ, **env})
+    assert imported.stdout.strip() == "[]"
+    location = run(installed / "bin" / "python", "-c", "import app; print(app.__file__)", cwd=elsewhere,
+                   env={**os.environ, **env}).stdout
+    assert str(installed) in location and str(ROOT) not in location
