@@ -5,17 +5,18 @@
 #   docker run -v dedloc:/data dedloc-coordinator dedloc coordinator --run SLUG
 # Set DATABASE_URL=postgresql+psycopg://... to share PostgreSQL between several portal containers.
 
-# The wheels: dedloc (templates, migrations, static files and the volunteers' wheels inside) and dedloc-common.
+# The dedloc wheel: portal, wire contract and swarm code, with templates, migrations, static files and the
+# volunteers' wheels inside.
 FROM python:3.11-slim AS build
 WORKDIR /src
 COPY . .
-RUN pip wheel --no-deps -w /wheels ./common . && ls /wheels
+RUN pip wheel --no-deps -w /wheels . && ls /wheels
 
 FROM python:3.11-slim AS portal
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 DEDLOC_DATA_DIR=/data DEDLOC_HOST=0.0.0.0
 COPY --from=build /wheels /wheels
 COPY constraints.txt /wheels/
-RUN pip install -c /wheels/constraints.txt /wheels/dedloc_common-*.whl /wheels/dedloc-*.whl \
+RUN pip install -c /wheels/constraints.txt /wheels/dedloc-*.whl \
     && useradd --create-home dedloc && mkdir -p /data && chown dedloc /data
 USER dedloc
 WORKDIR /home/dedloc
@@ -26,9 +27,8 @@ CMD ["dedloc", "serve"]
 FROM portal AS coordinator
 USER root
 # torch alone first, pinned: point pip at a CPU wheel index (PIP_INDEX_URL) to keep the image small.
-# The coordinator extra is the worker (hivemind) and scipy; the worker wheel is the one the portal serves.
+# The coordinator extra adds the worker's dependencies (hivemind) and scipy to the same package.
 RUN pip install -c /wheels/constraints.txt torch==2.13.0 \
-    && pip install -c /wheels/constraints.txt scipy \
-       "$(python -c 'from app.core.resources import wheels_dir; print(next(wheels_dir().glob("dedloc_worker-*.whl")))')"
+    && pip install -c /wheels/constraints.txt "$(ls /wheels/dedloc-*.whl)[coordinator]"
 USER dedloc
 CMD ["dedloc", "coordinator", "--help"]

@@ -23,7 +23,7 @@ $(STAMP): constraints.txt pyproject.toml setup.py worker/pyproject.toml common/p
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q --no-compile -c constraints.txt torch==2.13.0
-	$(BIN)/pip install -q --no-compile -c constraints.txt -e common -e worker -e '.[test]'
+	$(BIN)/pip install -q --no-compile -c constraints.txt -e '.[test]'
 	$(BIN)/python -m compileall -q -j 0 $$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_path("purelib"))') >/dev/null || true
 	touch $@
 

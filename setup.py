@@ -1,6 +1,9 @@
-"""The portal's build: templates/ and migrations/ ship inside the package (app.templates, app.migrations), and the
-wheels volunteers download (dedloc-common, dedloc-worker) are built from common/ and worker/ into app/wheels, so
-an installed portal serves them without a source tree. Metadata and dependencies: pyproject.toml."""
+"""The portal's build. One distribution, `dedloc`, holds the portal (app), the wire contract (dedloc_common, from
+common/) and the swarm code the coordinator runs (dedloc_worker, from worker/); templates/ and migrations/ ship
+inside it as app.templates and app.migrations. `pip install .` brings only the portal's dependencies; the
+`coordinator` extra adds torch, hivemind and scipy. The wheels volunteers download (dedloc-common, dedloc-worker)
+are built from common/ and worker/ into app/wheels, so an installed portal serves them without a source tree.
+Metadata and dependencies: pyproject.toml."""
 
 import tempfile
 from pathlib import Path
@@ -39,8 +42,10 @@ class BuildWithVolunteerWheels(build_py):
 
 if __name__ == "__main__":  # as setuptools runs it; `make setup` only borrows build_volunteer_wheels
     setup(
-        packages=find_packages(include=["app*"]) + ["app.templates", "app.migrations", "app.migrations.versions"],
-        package_dir={"app.templates": "templates", "app.migrations": "migrations"},
+        packages=find_packages(include=["app*"]) + ["app.templates", "app.migrations", "app.migrations.versions"]
+        + find_packages("common", include=["dedloc_common*"]) + find_packages("worker", include=["dedloc_worker*"]),
+        package_dir={"app.templates": "templates", "app.migrations": "migrations",
+                     "dedloc_common": "common/dedloc_common", "dedloc_worker": "worker/dedloc_worker"},
         package_data={
             "app": ["wheels/*.whl", "static/*.*", "static/vendor/*"],
             "app.templates": ["*.html"],

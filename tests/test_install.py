@@ -3,6 +3,7 @@ the checkout, migrates, serves its pages and the volunteers' wheels, and has nei
 
 from __future__ import annotations
 
+import ast
 import os
 import re
 import subprocess
@@ -31,16 +32,15 @@ def run(*args, **kwargs) -> subprocess.CompletedProcess:
 
 @pytest.fixture(scope="module")
 def installed(tmp_path_factory) -> Path:
-    """A virtualenv holding the built dedloc and dedloc-common wheels, and what they depend on."""
+    """A virtualenv holding the built dedloc wheel alone, and what it depends on (`pip install .`)."""
     root = tmp_path_factory.mktemp("installed")
     wheels = root / "wheels"
-    for source in (ROOT / "common", ROOT):
-        run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels, source)
+    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels, ROOT)
     env_dir = root / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
-    run(python, "-m", "pip", "install", "-q", "--no-compile", "-c", ROOT / "constraints.txt",
-        *sorted(wheels.glob("dedloc-*.whl")), *sorted(wheels.glob("dedloc_common-*.whl")))
+    (wheel,) = wheels.glob("dedloc-*.whl")
+    run(python, "-m", "pip", "install", "-q", "--no-compile", "-c", ROOT / "constraints.txt", wheel)
     return env_dir
 
 
@@ -80,3 +80,32 @@ def test_the_installed_portal_serves_from_any_folder(installed, tmp_path):
     location = run(installed / "bin" / "python", "-c", "import app; print(app.__file__)", cwd=elsewhere,
                    env={**os.environ, **env}).stdout
     assert str(installed) in location and str(ROOT) not in location
+
+    # The worker's side, as installed, never imports the portal (it cannot run here without torch: read its code).
+    site = Path(location.strip()).parent.parent
+    for package in ("dedloc_worker", "dedloc_common"):
+        sources = sorted((site / package).rglob("*.py"))
+        assert sources, f"{package} is not in the installed package"
+        for source in sources:
+            tree = ast.parse(source.read_text())
+            imported = {a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+            imported |= {n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module}
+            assert not {m for m in imported if m.split(".")[0] == "app"}, f"{source} imports the portal"
+
+
+def test_the_coordinator_extra_is_what_the_worker_needs():
+    """The coordinator runs dedloc_worker's code from the portal's package: its extra must carry the worker's needs."""
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    def names(requirements):
+        return {Requirement(r).name.lower(): str(Requirement(r).specifier) for r in requirements}
+
+    portal = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    worker = tomllib.loads((ROOT / "worker" / "pyproject.toml").read_text())["project"]
+    common = tomllib.loads((ROOT / "common" / "pyproject.toml").read_text())["project"]
+    coordinator = names(portal["optional-dependencies"]["coordinator"])
+    needed = names(r for r in worker["dependencies"] if not r.startswith("dedloc-common"))
+    assert needed and {n: coordinator.get(n) for n in needed} == needed
+    assert names(common["dependencies"]).items() <= names(portal["dependencies"]).items()
