@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from dedloc_common.contract import EpochContribution, MetricsRecord, record_key_of
+from dedloc_common.contract import EpochContribution, MetricsRecord, peer_key_of
 from hivemind.utils.crypto import RSAPrivateKey
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -35,7 +35,7 @@ class Peer:
 
     def __init__(self, session, run, username: str, tmp_path):
         key = RSAPrivateKey().get_public_key().to_bytes()
-        self.key, self.username = record_key_of(key), username
+        self.key, self.username = peer_key_of(key), username
         grant = issue_peer_token(session, Settings(data_dir=tmp_path), run, username, key.decode())
         from dedloc_common.signing import peer_id_of
 

@@ -9,7 +9,7 @@ from datetime import datetime, timedelta
 from cryptography.fernet import Fernet, InvalidToken
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from dedloc_common.contract import PeerToken, PeerTokenGrant, denylist_payload, record_key_of, token_payload
+from dedloc_common.contract import PeerToken, PeerTokenGrant, denylist_payload, peer_key_of, token_payload
 from dedloc_common.signing import load_public_openssh, new_private_key, peer_id_of, public_openssh, sign
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -105,7 +105,7 @@ def issue_peer_token(
     expiration_time = expires.replace(tzinfo=None).isoformat(timespec="seconds")
     signature = sign(authority, token_payload(username, key_bytes, expiration_time))
     session.add(PeerTokenRecord(run_id=run.id, username=username, peer_public_key=key_bytes.decode(),
-                                peer_id=peer_id, record_key=record_key_of(key_bytes), expires_at=expires))
+                                peer_id=peer_id, record_key=peer_key_of(key_bytes), expires_at=expires))
     session.commit()
     return PeerTokenGrant(
         token=PeerToken(username=username, public_key=key_bytes.decode(), expiration_time=expiration_time,

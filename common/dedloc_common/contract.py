@@ -30,17 +30,17 @@ def progress_key(run_id: str) -> str:
     return f"{run_id}_progress"
 
 
-def record_key_of_subkey(subkey: bytes) -> str:
-    """How a peer's key is named in the database: hex SHA-256 of its DHT record subkey "[owner:<key>]"."""
+def peer_key_of_subkey(subkey: bytes) -> str:
+    """The peer key, the name the database gives a peer: hex SHA-256 of its DHT record subkey "[owner:<key>]"."""
     import hashlib
 
     return hashlib.sha256(subkey).hexdigest()
 
 
-def record_key_of(public_key: bytes) -> str:
-    """The same name from the public key itself (hivemind's RSASignatureValidator subkey format), so records and
-    issued tokens meet on one string."""
-    return record_key_of_subkey(b"[owner:" + public_key + b"]")
+def peer_key_of(public_key: bytes) -> str:
+    """The same peer key from the public key itself (hivemind's RSASignatureValidator subkey format), so records
+    and issued tokens meet on one string."""
+    return peer_key_of_subkey(b"[owner:" + public_key + b"]")
 
 
 def metrics_key(run_id: str) -> str:

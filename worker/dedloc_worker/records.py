@@ -22,7 +22,7 @@ from hivemind.proto.auth_pb2 import AccessToken
 
 from dedloc_common.contract import (
     MetricsRecord, PlanRecord, denylist_key, denylist_payload, metrics_key, plan_key, plan_payload, progress_key,
-    record_key_of_subkey, tokens_key,
+    peer_key_of_subkey, tokens_key,
 )
 
 # How long a metrics record lives in the DHT (seconds): long enough for a coordinator restart to catch up.
@@ -104,7 +104,7 @@ def read_progress(dht: DHT, run_id: str, max_age: float) -> List[PeerProgress]:
         except pydantic_v1.ValidationError:
             continue
         if now - progress.time <= max_age:
-            peers.append(PeerProgress(record_key_of_subkey(subkey), progress))
+            peers.append(PeerProgress(peer_key_of_subkey(subkey), progress))
     return peers
 
 
@@ -113,7 +113,7 @@ def read_metrics(dht: DHT, run_id: str) -> List[PeerMetrics]:
     records = []
     for subkey, value in _entries(dht, metrics_key(run_id)).items():
         try:
-            records.append(PeerMetrics(record_key_of_subkey(subkey), MetricsRecord.parse_obj(value)))
+            records.append(PeerMetrics(peer_key_of_subkey(subkey), MetricsRecord.parse_obj(value)))
         except pydantic_v1.ValidationError:
             continue
     return records
