@@ -159,8 +159,8 @@ class PeerTokenRecord(Base):
     username: Mapped[str] = mapped_column(String(100), index=True)
     peer_public_key: Mapped[str] = mapped_column(Text)
     peer_id: Mapped[str] = mapped_column(String(100), index=True)
-    # The key's fingerprint as it appears in DHT records (contract.record_key_of): links records to a user.
-    record_key: Mapped[str] = mapped_column(String(64), index=True, default="")
+    # The peer key its DHT records are found under (contract.peer_key_of): links records to a user.
+    peer_key: Mapped[str] = mapped_column(String(64), index=True, default="")
     issued_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
 

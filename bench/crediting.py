@@ -35,7 +35,7 @@ def simulated_epoch(session, run, peers: int, epoch: int = 1) -> list[SignedMetr
     ids = [f"peer{i}" for i in range(peers)]
     if epoch == 1:
         session.add_all(PeerTokenRecord(run_id=run.id, username=f"user{i % 100}", peer_public_key="-",
-                                        peer_id=ids[i], record_key=keys[i], expires_at=utcnow() + timedelta(hours=1))
+                                        peer_id=ids[i], peer_key=keys[i], expires_at=utcnow() + timedelta(hours=1))
                         for i in range(peers))
         session.commit()
     records = []

@@ -41,3 +41,28 @@ def test_runs_refuse_bad_slugs_duplicates_and_batches(sessions):
             registry.create_run(session, slug="tiny", title="Tiny", target_batch_size=8, batch_size=16)
         with pytest.raises(NotFound):
             registry.get_run(session, "missing")
+
+
+def test_issued_tokens_keep_their_peer_key_through_the_column_rename(database_url):
+    # 0006 renames peer_tokens.record_key to peer_key: rows written before must keep the value, and the index.
+    from sqlalchemy import text
+
+    migrate(database_url, "0005")
+    engine = make_engine(database_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text("INSERT INTO runs (slug, title, task, task_options, target_batch_size, batch_size,"
+                                    " seed, optimizer, created_at, admission, samples_per_second_ceiling) VALUES"
+                                    " ('r', 'R', 't', '{}', 64, 8, 0, '{}', '2026-01-01', 'open', 5000)"))
+            connection.execute(text("INSERT INTO peer_tokens (run_id, username, peer_public_key, peer_id, record_key,"
+                                    " issued_at, expires_at) SELECT id, 'alice', '-', 'Qm1', 'abc', '2026-01-01',"
+                                    " '2026-01-02' FROM runs"))
+        migrate(database_url)
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT peer_key FROM peer_tokens")).scalar_one() == "abc"
+        assert {"ix_peer_tokens_peer_key"} <= {ix["name"] for ix in inspect(engine).get_indexes("peer_tokens")}
+        downgrade(database_url, "0005")
+        with engine.connect() as connection:
+            assert connection.execute(text("SELECT record_key FROM peer_tokens")).scalar_one() == "abc"
+    finally:
+        engine.dispose()

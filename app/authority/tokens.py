@@ -105,7 +105,7 @@ def issue_peer_token(
     expiration_time = expires.replace(tzinfo=None).isoformat(timespec="seconds")
     signature = sign(authority, token_payload(username, key_bytes, expiration_time))
     session.add(PeerTokenRecord(run_id=run.id, username=username, peer_public_key=key_bytes.decode(),
-                                peer_id=peer_id, record_key=peer_key_of(key_bytes), expires_at=expires))
+                                peer_id=peer_id, peer_key=peer_key_of(key_bytes), expires_at=expires))
     session.commit()
     return PeerTokenGrant(
         token=PeerToken(username=username, public_key=key_bytes.decode(), expiration_time=expiration_time,

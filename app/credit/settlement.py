@@ -61,14 +61,14 @@ def _insert_ignore(session: Session, model, rows: list[dict], keys: list[str]) -
     return len(session.execute(statement, rows).all())
 
 
-def owners(session: Session, run: Run, record_keys: Iterable[str]) -> dict[str, tuple[str, str]]:
-    """record key -> (username, PeerID) from the issued-token table."""
+def owners(session: Session, run: Run, peer_keys: Iterable[str]) -> dict[str, tuple[str, str]]:
+    """peer key -> (username, PeerID) from the issued-token table."""
     found: dict[str, tuple[str, str]] = {}
-    query = select(PeerTokenRecord.record_key, PeerTokenRecord.username, PeerTokenRecord.peer_id).where(
-        PeerTokenRecord.run_id == run.id, PeerTokenRecord.record_key.in_(list(set(record_keys)))
+    query = select(PeerTokenRecord.peer_key, PeerTokenRecord.username, PeerTokenRecord.peer_id).where(
+        PeerTokenRecord.run_id == run.id, PeerTokenRecord.peer_key.in_(list(set(peer_keys)))
     ).order_by(PeerTokenRecord.issued_at)
-    for record_key, username, peer_id in session.execute(query):
-        found.setdefault(record_key, (username, peer_id))  # a key stays with the user it was first issued to
+    for peer_key, username, peer_id in session.execute(query):
+        found.setdefault(peer_key, (username, peer_id))  # a key stays with the user it was first issued to
     return found
 
 
