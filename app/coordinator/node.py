@@ -135,12 +135,12 @@ class CoordinatorNode:
         """Read progress and metrics from the DHT; credit new epochs, write a snapshot, refresh the heartbeat."""
         max_age = self.config.optimizer.metadata_expiration
         peers = [
-            PeerSeen(p.peer, p.progress.epoch, p.progress.samples_accumulated, p.progress.samples_per_second)
+            PeerSeen(p.peer_key, p.progress.epoch, p.progress.samples_accumulated, p.progress.samples_per_second)
             for p in read_progress(dht, self.config.run_id, max_age)
         ]
         if not peers:
             self._reach_known_workers(dht)
-        metrics = [SignedMetrics(m.peer, m.record) for m in read_metrics(dht, self.config.run_id)]
+        metrics = [SignedMetrics(m.peer_key, m.record) for m in read_metrics(dht, self.config.run_id)]
         online = {p.peer_key for p in peers}
         known_peers = [addr for m in metrics if m.peer_key in online for addr in m.record.addrs][:MAX_KNOWN_PEERS]
         try:

@@ -18,7 +18,7 @@ from app.models import Contribution, Run
 
 @dataclass(frozen=True)
 class SignedMetrics:
-    """A metrics record and the fingerprint of the key that signed it."""
+    """A metrics record and the peer key of the worker that signed it."""
 
     peer_key: str
     record: MetricsRecord

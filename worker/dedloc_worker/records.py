@@ -77,13 +77,13 @@ def publish_metrics(dht: DHT, run_id: str, signature: RSASignatureValidator, rec
 
 @dataclass
 class PeerProgress:
-    peer: str  # fingerprint of the public key
+    peer_key: str  # contract.peer_key_of the signing public key
     progress: LocalTrainingProgress
 
 
 @dataclass
 class PeerMetrics:
-    peer: str
+    peer_key: str
     record: MetricsRecord
 
 
