@@ -149,8 +149,8 @@ class Peer(Base):
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
-class PeerTokenRecord(Base):
-    """Every peer token ever issued: what turns a DHT record's key into a user's credit."""
+class IssuedPeerToken(Base):
+    """Every peer token ever issued: what turns the peer key of a DHT record into a user's credit."""
 
     __tablename__ = "peer_tokens"
 
@@ -186,7 +186,7 @@ class RunAllowlistEntry(Base):
     username: Mapped[str] = mapped_column(String(100))
 
 
-class AveragingPlanRow(Base):
+class AveragingPlan(Base):
     """A plan the coordinator published: who aggregates which share of the gradient vector, and how it went."""
 
     __tablename__ = "averaging_plans"

@@ -23,7 +23,7 @@ from app.credit.ledger import SignedMetrics
 from app.credit.settlement import credit_epochs
 from app.core.database import make_engine, make_sessionmaker, migrate
 from app.core.clock import utcnow
-from app.models import PeerTokenRecord
+from app.models import IssuedPeerToken
 
 GROUP_SIZE = 16
 SAMPLES = 100
@@ -34,7 +34,7 @@ def simulated_epoch(session, run, peers: int, epoch: int = 1) -> list[SignedMetr
     keys = [f"{i:064x}" for i in range(peers)]
     ids = [f"peer{i}" for i in range(peers)]
     if epoch == 1:
-        session.add_all(PeerTokenRecord(run_id=run.id, username=f"user{i % 100}", peer_public_key="-",
+        session.add_all(IssuedPeerToken(run_id=run.id, username=f"user{i % 100}", peer_public_key="-",
                                         peer_id=ids[i], peer_key=keys[i], expires_at=utcnow() + timedelta(hours=1))
                         for i in range(peers))
         session.commit()

@@ -17,7 +17,7 @@ from app.identity.accounts import issue_credential, sign_in_locally
 from app.identity.models import User
 from app.core.config import Settings
 from app.core.errors import TooLarge
-from app.models import AveragingPlanRow
+from app.models import AveragingPlan
 from app.web.link_probe import count_body
 from app.web.main import create_app
 
@@ -30,7 +30,7 @@ PLANNED_AT = datetime(2025, 3, 1, 12, 0, tzinfo=timezone.utc)
 MBIT = 1e6 / 8  # bytes per second
 
 
-def plan_row(run, predicted: float, created_at: datetime) -> AveragingPlanRow:
+def plan_row(run, predicted: float, created_at: datetime) -> AveragingPlan:
     """alice aggregates 62.5 % at 100/200 Mbit/s, bob's auxiliary peer 37.5 % at 50/50, the hidden carol is a
     client at 10/20 Mbit/s."""
     peers = [
@@ -41,9 +41,9 @@ def plan_row(run, predicted: float, created_at: datetime) -> AveragingPlanRow:
         {"peer_id": BOB_AUX_PEER, "username": "bob", "share": 0.375, "role": "aux",
          "upload_bps": 50 * MBIT, "download_bps": 50 * MBIT},
     ]
-    return AveragingPlanRow(run_id=run.id, created_at=created_at, peers=peers, vector_bytes=40_000_000,
-                            predicted_seconds=predicted, lower_bound_seconds=0.8, measured_seconds=1.5,
-                            reason="a peer joined")
+    return AveragingPlan(run_id=run.id, created_at=created_at, peers=peers, vector_bytes=40_000_000,
+                         predicted_seconds=predicted, lower_bound_seconds=0.8, measured_seconds=1.5,
+                         reason="a peer joined")
 
 
 @pytest.fixture

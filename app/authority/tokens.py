@@ -18,7 +18,7 @@ from app.runs import registry
 from app.core.config import Settings
 from app.core.errors import Forbidden, Invalid, TooManyRequests
 from app.core.clock import as_utc, utcnow
-from app.models import PeerTokenRecord, Run, RunAllowlistEntry, RunBan
+from app.models import IssuedPeerToken, Run, RunAllowlistEntry, RunBan
 from app.core.secrets import secret_key
 
 ADMISSION_POLICIES = ("open", "allowlist", "org")
@@ -72,15 +72,15 @@ def check_admission(session: Session, run: Run, username: str, organizations: li
 def check_limits(session: Session, settings: Settings, run: Run, username: str, peer_id: str) -> None:
     """``TooManyRequests`` past the token rate or the concurrent-peer limit of one account."""
     now = utcnow()
-    recent = session.scalars(select(PeerTokenRecord.issued_at).where(
-        PeerTokenRecord.username == username, PeerTokenRecord.issued_at > now - timedelta(minutes=1)
-    ).order_by(PeerTokenRecord.issued_at)).all()
+    recent = session.scalars(select(IssuedPeerToken.issued_at).where(
+        IssuedPeerToken.username == username, IssuedPeerToken.issued_at > now - timedelta(minutes=1)
+    ).order_by(IssuedPeerToken.issued_at)).all()
     if len(recent) >= settings.peer_token_requests_per_minute:
         retry = 60 - (now - as_utc(recent[0])).total_seconds()
         raise TooManyRequests(f"more than {settings.peer_token_requests_per_minute} token requests in a minute; "
                               f"retry in {retry:.0f} s", retry_after=max(retry, 1))
-    live_peers = session.scalars(select(PeerTokenRecord.peer_id).where(
-        PeerTokenRecord.run_id == run.id, PeerTokenRecord.username == username, PeerTokenRecord.expires_at > now
+    live_peers = session.scalars(select(IssuedPeerToken.peer_id).where(
+        IssuedPeerToken.run_id == run.id, IssuedPeerToken.username == username, IssuedPeerToken.expires_at > now
     ).distinct()).all()
     if peer_id not in live_peers and len(live_peers) >= settings.max_concurrent_peers:
         raise TooManyRequests(f"{username} already runs {len(live_peers)} peers in this run, the most allowed; "
@@ -104,7 +104,7 @@ def issue_peer_token(
     expires = utcnow() + timedelta(seconds=settings.peer_token_lifetime)
     expiration_time = expires.replace(tzinfo=None).isoformat(timespec="seconds")
     signature = sign(authority, token_payload(username, key_bytes, expiration_time))
-    session.add(PeerTokenRecord(run_id=run.id, username=username, peer_public_key=key_bytes.decode(),
+    session.add(IssuedPeerToken(run_id=run.id, username=username, peer_public_key=key_bytes.decode(),
                                 peer_id=peer_id, peer_key=peer_key_of(key_bytes), expires_at=expires))
     session.commit()
     return PeerTokenGrant(
@@ -192,10 +192,10 @@ def sign_plan(session: Session, settings: Settings, run: Run, payload: bytes) ->
 def token_holders(session: Session, run: Run) -> list[tuple[str, int, datetime]]:
     """(username, peers, latest expiry) of everyone holding an unexpired token: what organizers see."""
     query = (
-        select(PeerTokenRecord.username, func.count(func.distinct(PeerTokenRecord.peer_id)),
-               func.max(PeerTokenRecord.expires_at))
-        .where(PeerTokenRecord.run_id == run.id, PeerTokenRecord.expires_at > utcnow())
-        .group_by(PeerTokenRecord.username).order_by(PeerTokenRecord.username)
+        select(IssuedPeerToken.username, func.count(func.distinct(IssuedPeerToken.peer_id)),
+               func.max(IssuedPeerToken.expires_at))
+        .where(IssuedPeerToken.run_id == run.id, IssuedPeerToken.expires_at > utcnow())
+        .group_by(IssuedPeerToken.username).order_by(IssuedPeerToken.username)
     )
     return [(username, int(peers), as_utc(expiry)) for username, peers, expiry in session.execute(query)]
 

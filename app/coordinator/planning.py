@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from app.authority import tokens
 from app.core.config import Settings
-from app.models import AveragingPlanRow, Run
+from app.models import AveragingPlan, Run
 from app.planner import PeerProfile, Plan, PlanningError, Replanner
 
 logger = logging.getLogger("dedloc.coordinator")
@@ -102,7 +102,7 @@ class PlanKeeper:
                                      plan_payload(plan.shares, plan.predicted_seconds, issued_at))
         self.record = PlanRecord(shares=plan.shares, predicted_seconds=plan.predicted_seconds, issued_at=issued_at,
                                  signature=signature)
-        row = AveragingPlanRow(
+        row = AveragingPlan(
             run_id=run.id, vector_bytes=self.vector_bytes, predicted_seconds=plan.predicted_seconds,
             lower_bound_seconds=plan.lower_bound_seconds, reason=reason[:200],
             peers=[dict(peer_id=peer.peer_id, username=peer.username, share=plan.shares.get(peer.peer_id, 0.0),
@@ -121,6 +121,6 @@ class PlanKeeper:
             return
         rounds = [peer.link.round_seconds for peer in peers if peer.link.round_planned and peer.link.round_seconds]
         if rounds:
-            row = session.scalar(select(AveragingPlanRow).where(AveragingPlanRow.id == self.row_id))
+            row = session.scalar(select(AveragingPlan).where(AveragingPlan.id == self.row_id))
             if row is not None:
                 row.measured_seconds = statistics.median(rounds)

@@ -22,7 +22,7 @@ from sqlalchemy.orm import Session
 
 from app.credit.ledger import SignedMetrics
 from app.core.clock import utcnow
-from app.models import Contribution, Peer, PeerTokenRecord, Receipt, Run
+from app.models import Contribution, IssuedPeerToken, Peer, Receipt, Run
 
 NO_TOKEN = "no peer token was issued for this key: the swarm cannot tell whose it is"
 ALONE = "alone in its averaging group: no other peer confirmed these samples"
@@ -64,9 +64,9 @@ def _insert_ignore(session: Session, model, rows: list[dict], keys: list[str]) -
 def owners(session: Session, run: Run, peer_keys: Iterable[str]) -> dict[str, tuple[str, str]]:
     """peer key -> (username, PeerID) from the issued-token table."""
     found: dict[str, tuple[str, str]] = {}
-    query = select(PeerTokenRecord.peer_key, PeerTokenRecord.username, PeerTokenRecord.peer_id).where(
-        PeerTokenRecord.run_id == run.id, PeerTokenRecord.peer_key.in_(list(set(peer_keys)))
-    ).order_by(PeerTokenRecord.issued_at)
+    query = select(IssuedPeerToken.peer_key, IssuedPeerToken.username, IssuedPeerToken.peer_id).where(
+        IssuedPeerToken.run_id == run.id, IssuedPeerToken.peer_key.in_(list(set(peer_keys)))
+    ).order_by(IssuedPeerToken.issued_at)
     for peer_key, username, peer_id in session.execute(query):
         found.setdefault(peer_key, (username, peer_id))  # a key stays with the user it was first issued to
     return found

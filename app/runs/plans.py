@@ -1,6 +1,6 @@
 """Averaging plans as the public sees them: who aggregates which share of the gradient vector, at what bandwidth.
 
-The coordinator writes ``AveragingPlanRow`` rows; this module only reads them. The public view carries no full
+The coordinator writes ``AveragingPlan`` rows; this module only reads them. The public view carries no full
 PeerID, key or address (a short fingerprint stands for each peer), and users hidden from public boards read as
 ``HIDDEN_VOLUNTEER``.
 """
@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from app.identity.models import User
 from app.core.errors import NotFound
 from app.core.clock import as_utc
-from app.models import AveragingPlanRow, Run
+from app.models import AveragingPlan, Run
 
 HIDDEN_VOLUNTEER = "hidden volunteer"
 NO_PLAN = "no averaging plan was published for this run yet: the coordinator plans once peers report their links"
@@ -50,10 +50,10 @@ class PublicPlan:
     created_at: datetime
 
 
-def current_plan(session: Session, run: Run) -> Optional[AveragingPlanRow]:
+def current_plan(session: Session, run: Run) -> Optional[AveragingPlan]:
     """The newest plan of ``run``, or None before the coordinator published one."""
-    query = (select(AveragingPlanRow).where(AveragingPlanRow.run_id == run.id)
-             .order_by(AveragingPlanRow.created_at.desc(), AveragingPlanRow.id.desc()).limit(1))
+    query = (select(AveragingPlan).where(AveragingPlan.run_id == run.id)
+             .order_by(AveragingPlan.created_at.desc(), AveragingPlan.id.desc()).limit(1))
     return session.scalar(query)
 
 
@@ -71,7 +71,7 @@ def published_plan(session: Session, run: Run) -> PublicPlan:
     return plan
 
 
-def public_view(session: Session, row: AveragingPlanRow) -> PublicPlan:
+def public_view(session: Session, row: AveragingPlan) -> PublicPlan:
     hidden = hidden_usernames(session, {str(peer.get("username") or "") for peer in row.peers})
     peers = sorted((plan_peer(peer, hidden) for peer in row.peers), key=lambda p: (-p.share, p.role, p.fingerprint))
     return PublicPlan(peers, row.vector_bytes, row.predicted_seconds, row.lower_bound_seconds,

@@ -256,12 +256,12 @@ class Deployment:
 
     def plans(self) -> list[list[dict]]:
         """The peers of every averaging plan the coordinators published, oldest first."""
-        from app.models import AveragingPlanRow
+        from app.models import AveragingPlan
 
         engine = make_engine(self.database_url)
         try:
             with make_sessionmaker(engine)() as session:
-                return list(session.scalars(select(AveragingPlanRow.peers).order_by(AveragingPlanRow.id)))
+                return list(session.scalars(select(AveragingPlan.peers).order_by(AveragingPlan.id)))
         finally:
             engine.dispose()
 
