@@ -312,14 +312,14 @@ def run_mode(averager, config: dict, command: dict) -> dict:
             gathered = averager.step(timeout=60)
         except Exception as e:  # hivemind raises whatever its round raised; the round failed
             return {**reply, "error": repr(e)}
-        record = averager.last_round(timeout=30)
-        if record is None or record.began < asked:
-            return {**reply, "error": "no all-reduce record for this round"}
+        outcome = averager.last_round(timeout=30)
+        if outcome is None or outcome.began < asked:
+            return {**reply, "error": "no all-reduce outcome for this round"}
         with averager.get_tensors() as (tensor,):
             result = tensor.clone()
-        reply.update(group=len(gathered), began=record.began, ended=record.ended, complete=record.complete,
-                     aggregated=record.aggregated_elements,
-                     fractions=dict(zip(record.peer_ids, record.fractions)))
+        reply.update(group=len(gathered), began=outcome.began, ended=outcome.ended, complete=outcome.complete,
+                     aggregated=outcome.aggregated_elements,
+                     fractions=dict(zip(outcome.peer_ids, outcome.fractions)))
     reply["error_max"] = float((result - torch.stack(vectors).mean(0)).abs().max())
     reply["ok"] = reply["group"] == world and reply.get("complete", True) and reply["error_max"] < RESULT_TOLERANCE
     return reply

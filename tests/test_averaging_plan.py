@@ -18,7 +18,7 @@ from dedloc_worker.averaging import (
     PLAN_MARKER,
     PlannedAverager,
     PlannedGradientAverager,
-    RoundRecord,
+    RoundOutcome,
     planned_fractions,
 )
 from dedloc_common.cleanup import _is_torch_shm_manager, descendants
@@ -191,17 +191,17 @@ def _new_processes(before: set[int]) -> list[int]:
 
 
 def average_once(averagers, weights, seed, attempts: int = 3):
-    """One complete round over fresh seeded vectors; returns (expected weighted mean, results, records by peer id).
+    """One complete round over fresh seeded vectors; returns (expected weighted mean, results, outcomes by peer id).
 
     hivemind 1.1.12 now and then loses a part on loopback ("received 99% results": the peer keeps its own values
     there); the benches count such a round as failed (docs/benchmarks.md#reference-figures), and so does this
     test: it tries again with fresh vectors.
     """
     for attempt in range(attempts):
-        expected, results, records = _average(averagers, weights, seed + 1000 * attempt)
-        if all(record.complete for record in records.values()):
+        expected, results, outcomes = _average(averagers, weights, seed + 1000 * attempt)
+        if all(outcome.complete for outcome in outcomes.values()):
             break
-    return expected, results, records
+    return expected, results, outcomes
 
 
 def _average(averagers, weights, seed):
@@ -218,8 +218,8 @@ def _average(averagers, weights, seed):
     for averager in averagers:
         with averager.get_tensors() as (tensor,):
             results.append(tensor.clone())
-    records = {str(averager.peer_id): averager.last_round(timeout=10) for averager in averagers}
-    return expected, results, records
+    outcomes = {str(averager.peer_id): averager.last_round(timeout=10) for averager in averagers}
+    return expected, results, outcomes
 
 
 def ids(averagers) -> list[str]:
@@ -231,37 +231,37 @@ def test_a_plan_splits_the_vector_as_given_and_keeps_the_exact_weighted_mean(thr
     plan = dict(zip(ids(three_averagers), shares))
     for averager in three_averagers:
         averager.set_plan(plan)
-    expected, results, records = average_once(three_averagers, weights=(1.0, 2.0, 3.0), seed=round(shares[-1] * 10))
+    expected, results, outcomes = average_once(three_averagers, weights=(1.0, 2.0, 3.0), seed=round(shares[-1] * 10))
     for result in results:
         torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
     for peer, share in plan.items():
-        record: RoundRecord = records[peer]
+        outcome: RoundOutcome = outcomes[peer]
         # a planned group streams results to its zero-share peer too (no hold-back), and the mean stays exact
-        assert record.planned and record.complete and record.streamed, record
+        assert outcome.planned and outcome.complete and outcome.streamed, outcome
         # ... sending each aggregator at most a window of parts ahead of its results (60 parts to the first here)
-        assert 1 <= record.most_in_flight <= IN_FLIGHT_PARTS, record
-        assert dict(zip(record.peer_ids, record.fractions)) == pytest.approx(plan)
+        assert 1 <= outcome.most_in_flight <= IN_FLIGHT_PARTS, outcome
+        assert dict(zip(outcome.peer_ids, outcome.fractions)) == pytest.approx(plan)
         # the shares fall on part boundaries here, so hivemind's part-wise split hits them to the element
-        assert abs(record.aggregated_elements - share * ELEMENTS) <= 1, (peer, record.aggregated_elements)
+        assert abs(outcome.aggregated_elements - share * ELEMENTS) <= 1, (peer, outcome.aggregated_elements)
 
 
 def test_peers_the_plan_does_not_name_and_no_plan_at_all_fall_back_to_hivemind(three_averagers):
     first, second, third = ids(three_averagers)
     for averager in three_averagers:
         averager.set_plan({first: 0.5, second: 0.25})  # the third peer is not in the plan
-    expected, results, records = average_once(three_averagers, weights=(1.0, 1.0, 1.0), seed=7)
+    expected, results, outcomes = average_once(three_averagers, weights=(1.0, 1.0, 1.0), seed=7)
     for result in results:
         torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
     # hivemind, with no bandwidth announced, gives the third peer a third (in whole elements: 33,333 of 100,000);
     # the planned two split the rest 2:1
-    fractions = dict(zip(records[first].peer_ids, records[first].fractions))
+    fractions = dict(zip(outcomes[first].peer_ids, outcomes[first].fractions))
     assert fractions == pytest.approx({first: 4 / 9, second: 2 / 9, third: 1 / 3}, abs=1 / ELEMENTS)
 
     for averager in three_averagers:
         averager.set_plan(None)
-    expected, results, records = average_once(three_averagers, weights=(1.0, 1.0, 1.0), seed=8)
+    expected, results, outcomes = average_once(three_averagers, weights=(1.0, 1.0, 1.0), seed=8)
     for result in results:
         torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
     # hivemind's runner, hold-back included and no window
-    assert not records[first].planned and not records[first].streamed and records[first].most_in_flight is None
-    assert records[first].fractions == pytest.approx([1 / 3] * 3, abs=1 / ELEMENTS)
+    assert not outcomes[first].planned and not outcomes[first].streamed and outcomes[first].most_in_flight is None
+    assert outcomes[first].fractions == pytest.approx([1 / 3] * 3, abs=1 / ELEMENTS)

@@ -76,7 +76,7 @@ def _hivemind_fractions(
 
 
 @dataclass
-class RoundRecord:
+class RoundOutcome:
     """What this peer saw of its last all-reduce (the averaging after matchmaking).
 
     :param peer_ids: the group's members (base58 PeerIDs), in hivemind's order
@@ -176,7 +176,7 @@ class PlannedAverager(DecentralizedAverager):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         self._plan: Optional[Dict[str, float]] = None
-        self._last_round: Optional[RoundRecord] = None  # written in the averager's own process
+        self._last_round: Optional[RoundOutcome] = None  # written in the averager's own process
         super().__init__(*args, **kwargs)
 
     @property
@@ -202,8 +202,8 @@ class PlannedAverager(DecentralizedAverager):
         own = None if self._plan is None else self._plan.get(str(self.peer_id))
         return super().step([PLAN_MARKER, own, gather], *args, **kwargs)
 
-    def last_round(self, timeout: Optional[float] = None) -> Optional[RoundRecord]:
-        """The record of this peer's last all-reduce, or None before the first; waits up to ``timeout`` seconds."""
+    def last_round(self, timeout: Optional[float] = None) -> Optional[RoundOutcome]:
+        """The outcome of this peer's last all-reduce, or None before the first; waits up to ``timeout`` seconds."""
         future = MPFuture()
         self._outer_pipe.send(("_get_last_round", [], dict(future=future)))
         return future.result(timeout)
@@ -220,25 +220,25 @@ class PlannedAverager(DecentralizedAverager):
             fractions = await asyncio.get_event_loop().run_in_executor(
                 None, planned_fractions, self.total_size, bandwidths, modes, shares, min_vector_size
             )
-            record = RoundRecord(
+            outcome = RoundOutcome(
                 peer_ids=[str(peer) for peer in group_info.peer_ids],
                 fractions=list(fractions),
                 planned=any(share is not None for share in shares),
                 total_elements=self.total_size,
             )
-            self._last_round = record
+            self._last_round = outcome
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
-                record.began = time.time()
+                outcome.began = time.time()
                 try:
-                    runner_type = StreamingAllReduceRunner if record.planned else AllReduceRunner
+                    runner_type = StreamingAllReduceRunner if outcome.planned else AllReduceRunner
                     await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions,
                                                        runner_type=runner_type, **kwargs)
                 except BaseException as e:
-                    record.error = repr(e)
+                    outcome.error = repr(e)
                     raise
                 finally:
-                    record.ended = time.time()
-                    self._note_runner(record, group_info)
+                    outcome.ended = time.time()
+                    self._note_runner(outcome, group_info)
             return dict(zip(group_info.peer_ids, user_gathered))
         except BaseException as e:
             if isinstance(e, Exception):
@@ -266,19 +266,19 @@ class PlannedAverager(DecentralizedAverager):
             async for _ in runner:
                 raise ValueError("aux peers should not receive averaged tensors")
 
-    def _note_runner(self, record: RoundRecord, group_info: GroupInfo) -> None:
-        """Copy what the finished ``AllReduceRunner`` knows into ``record`` (the runner is gone after the step)."""
+    def _note_runner(self, outcome: RoundOutcome, group_info: GroupInfo) -> None:
+        """Copy what the finished ``AllReduceRunner`` knows into ``outcome`` (the runner is gone after the step)."""
         future = self._running_groups.get(group_info.group_id)
         if future is None or not future.done() or future.cancelled() or future.exception() is not None:
             return
         runner = future.result()
-        record.streamed = isinstance(runner, StreamingAllReduceRunner)
-        record.most_in_flight = getattr(runner, "most_in_flight", None)
-        record.aggregated_elements = sum(part.numel() for part in runner.parts_for_local_averaging)
-        record.failed_elements = int(runner.tensor_part_container.failed_size)
+        outcome.streamed = isinstance(runner, StreamingAllReduceRunner)
+        outcome.most_in_flight = getattr(runner, "most_in_flight", None)
+        outcome.aggregated_elements = sum(part.numel() for part in runner.parts_for_local_averaging)
+        outcome.failed_elements = int(runner.tensor_part_container.failed_size)
         reducer = runner.tensor_part_reducer
         if reducer.num_parts and reducer.num_senders:
-            record.missing_inputs = reducer.num_parts * reducer.num_senders - sum(reducer.num_parts_received)
+            outcome.missing_inputs = reducer.num_parts * reducer.num_senders - sum(reducer.num_parts_received)
 
 
 def _unwrap_announcements(gathered: Sequence[Any]) -> Tuple[List[Optional[float]], List[Any]]:
