@@ -2,15 +2,15 @@
 
 The coordinator writes ``AveragingPlan`` rows; this module only reads them. The public view carries no full
 PeerID, key or address (a short fingerprint stands for each peer), and users hidden from public boards read as
-``HIDDEN_VOLUNTEER``.
+``HIDDEN_VOLUNTEER``. ``PublicPlan`` is also the API's response model, so the page and the JSON share one shape.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Optional
 
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -25,9 +25,13 @@ NO_PLAN = "no averaging plan was published for this run yet: the coordinator pla
 FINGERPRINT_CHARS = 6
 
 
-@dataclass(frozen=True)
-class PlanPeer:
-    """A peer of a plan: ``share`` of the vector it aggregates (fraction), bandwidths in Mbit/s."""
+class PlanPeer(BaseModel):
+    """A peer of the averaging plan: ``fingerprint`` the last characters of its PeerID (never the whole ID),
+    ``username`` its owner ("hidden volunteer" for users hidden from public boards), ``role`` "aggregator",
+    "client" (accepts no connections, aggregates nothing) or "aux" (aggregates, trains nothing), ``share`` of the
+    gradient vector it aggregates (a fraction, 0 to 1), and its measured bandwidth in Mbit/s."""
+
+    model_config = ConfigDict(frozen=True)
 
     fingerprint: str
     username: str
@@ -37,9 +41,12 @@ class PlanPeer:
     download_mbps: float
 
 
-@dataclass(frozen=True)
-class PublicPlan:
-    """A plan without keys or addresses; times in seconds, ``measured_seconds`` None until a round is reported."""
+class PublicPlan(BaseModel):
+    """The run's current averaging plan, largest share first. Times are seconds of one all-reduce round:
+    ``predicted_seconds`` by the planner, ``lower_bound_seconds`` no plan can beat, ``measured_seconds`` the median
+    the peers reported (null until one did); ``vector_bytes`` the size of the averaged vector."""
+
+    model_config = ConfigDict(frozen=True)
 
     peers: list[PlanPeer]
     vector_bytes: int
@@ -74,8 +81,9 @@ def published_plan(session: Session, run: Run) -> PublicPlan:
 def public_view(session: Session, row: AveragingPlan) -> PublicPlan:
     hidden = hidden_usernames(session, {str(peer.get("username") or "") for peer in row.peers})
     peers = sorted((plan_peer(peer, hidden) for peer in row.peers), key=lambda p: (-p.share, p.role, p.fingerprint))
-    return PublicPlan(peers, row.vector_bytes, row.predicted_seconds, row.lower_bound_seconds,
-                      row.measured_seconds, row.reason, as_utc(row.created_at))
+    return PublicPlan(peers=peers, vector_bytes=row.vector_bytes, predicted_seconds=row.predicted_seconds,
+                      lower_bound_seconds=row.lower_bound_seconds, measured_seconds=row.measured_seconds,
+                      reason=row.reason, created_at=as_utc(row.created_at))
 
 
 def plan_peer(peer: dict[str, Any], hidden: set[str]) -> PlanPeer:

@@ -12,8 +12,8 @@ from app.credit import ledger, standings
 
 from app.runs import plans, registry, snapshots
 from app.web.deps import RunDep, SessionDep, SettingsDep
-from app.web.schemas import LeaderboardEntry, PlanOut, RunOut, SwarmOut, TeamEntry, UserOut
-from app.web.views import current_swarm, leaderboard_entry, plan_out, run_out, swarm_out, team_entry, user_out
+from app.web.schemas import LeaderboardEntry, RunOut, SwarmOut, TeamEntry, UserOut
+from app.web.views import current_swarm, leaderboard_entry, run_out, swarm_out, team_entry, user_out
 
 router = APIRouter(prefix=API_PREFIX, tags=["api"])
 
@@ -49,12 +49,12 @@ def history(
     return [swarm_out(run, snapshot) for snapshot in snapshots.history(session, run, limit, since)]
 
 
-@router.get("/runs/{slug}/plan", response_model=PlanOut,
+@router.get("/runs/{slug}/plan", response_model=plans.PublicPlan,
             responses={404: {"description": "unknown run, or no plan published yet"}})
 def plan(run: RunDep, session: SessionDep):
     """The current averaging plan: each peer's role, share of the vector and measured Mbit/s (a PeerID
     fingerprint, no keys or addresses), and the predicted, measured and lower-bound round times."""
-    return plan_out(plans.published_plan(session, run))
+    return plans.published_plan(session, run)
 
 
 Limit = Annotated[int, Query(ge=1, le=1000, description="at most this many rows, from the top")]

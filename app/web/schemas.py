@@ -1,4 +1,8 @@
-"""Response schemas of the public JSON API (a contract: fields may be added, never renamed)."""
+"""Response schemas of the public JSON API (a contract: fields may be added, never renamed).
+
+Where a domain module's own model has the answer's shape, the API returns that model instead (plans.PublicPlan);
+the same contract holds for it.
+"""
 
 from __future__ import annotations
 
@@ -73,34 +77,6 @@ class UserOut(TotalsOut):
     username: str
     team: Optional[str]
     runs: list[RunTotalsOut]
-
-
-class PlanPeerOut(BaseModel):
-    """A peer of the averaging plan: ``fingerprint`` the last characters of its PeerID (never the whole ID),
-    ``username`` its owner ("hidden volunteer" for users hidden from public boards), ``role`` "aggregator",
-    "client" (accepts no connections, aggregates nothing) or "aux" (aggregates, trains nothing), ``share`` of the
-    gradient vector it aggregates (a fraction, 0 to 1), and its measured bandwidth in Mbit/s."""
-
-    fingerprint: str
-    username: str
-    role: str
-    share: float
-    upload_mbps: float
-    download_mbps: float
-
-
-class PlanOut(BaseModel):
-    """The run's current averaging plan, largest share first. Times are seconds of one all-reduce round:
-    ``predicted_seconds`` by the planner, ``lower_bound_seconds`` no plan can beat, ``measured_seconds`` the median
-    the peers reported (null until one did); ``vector_bytes`` the size of the averaged vector."""
-
-    peers: list[PlanPeerOut]
-    vector_bytes: int
-    predicted_seconds: float
-    lower_bound_seconds: float
-    measured_seconds: Optional[float]
-    reason: str
-    created_at: datetime
 
 
 class ProbeReceipt(BaseModel):

@@ -9,10 +9,9 @@ from sqlalchemy.orm import Session
 
 from app.credit.ledger import LeaderboardRow
 from app.models import Run, Snapshot
-from app.runs.plans import PublicPlan
 from app.runs.snapshots import latest_snapshot
 from app.credit.standings import TeamRow, UserTotals
-from app.web.schemas import LeaderboardEntry, PlanOut, RunOut, RunTotalsOut, SwarmOut, TeamEntry, UserOut
+from app.web.schemas import LeaderboardEntry, RunOut, RunTotalsOut, SwarmOut, TeamEntry, UserOut
 
 
 def run_out(run: Run) -> RunOut:
@@ -55,6 +54,3 @@ def user_out(found: UserTotals) -> UserOut:
     runs = [RunTotalsOut(run=slug, **asdict(totals)) for slug, totals in found.runs]
     return UserOut(username=found.username, team=found.team, runs=runs, **asdict(found.totals))
 
-
-def plan_out(plan: PublicPlan) -> PlanOut:
-    return PlanOut.model_validate(plan, from_attributes=True)
