@@ -8,6 +8,7 @@ from typing import Any, Optional
 from sqlalchemy import (
     JSON,
     BigInteger,
+    Boolean,
     DateTime,
     Float,
     ForeignKey,
@@ -55,6 +56,41 @@ class Run(Base):
     samples_per_second_ceiling: Mapped[float] = mapped_column(Float, default=5000.0)
     # The run's token authority: RSA private key, encrypted with the portal's secret key (Fernet).
     authority_key_encrypted: Mapped[Optional[bytes]] = mapped_column(LargeBinary, nullable=True)
+    # A run's life: "active", "paused" (workers wait) or "finished" (target reached, or ended by an organizer).
+    state: Mapped[str] = mapped_column(String(20), default="active")
+    target_epochs: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    # When the checkpointer saves and what it keeps (contract.CheckpointOptions), and where it pushes.
+    checkpoints: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    created_by: Mapped[Optional[str]] = mapped_column(String(100), nullable=True)
+
+
+class RunOrganizer(Base):
+    """Who may organize a run besides the portal-wide organizers: its creator and whom they add."""
+
+    __tablename__ = "run_organizers"
+    __table_args__ = (UniqueConstraint("run_id", "username"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    username: Mapped[str] = mapped_column(String(100))
+
+
+class Checkpoint(Base):
+    """A saved state of the collaboration's model: the archive lives under DATA_DIR/runs/<slug>/checkpoints."""
+
+    __tablename__ = "checkpoints"
+    __table_args__ = (UniqueConstraint("run_id", "epoch"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    eval_loss: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    sha256: Mapped[str] = mapped_column(String(64))
+    size: Mapped[int] = mapped_column(BigInteger)
+    file_name: Mapped[str] = mapped_column(String(200))
+    final: Mapped[bool] = mapped_column(Boolean, default=False)
 
 
 class Coordinator(Base):

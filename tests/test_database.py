@@ -10,7 +10,7 @@ from app.core.database import downgrade, make_engine, migrate
 from app.core.errors import Invalid, NotFound
 
 TABLES = {"runs", "coordinators", "snapshots", "contributions", "users", "api_credentials", "device_codes", "receipts", "peers",
-          "peer_tokens", "run_bans", "run_allowlist", "averaging_plans"}
+          "peer_tokens", "run_bans", "run_allowlist", "averaging_plans", "run_organizers", "checkpoints"}
 
 
 def table_names(url: str) -> set[str]:
@@ -64,5 +64,22 @@ def test_issued_tokens_keep_their_peer_key_through_the_column_rename(database_ur
         downgrade(database_url, "0005")
         with engine.connect() as connection:
             assert connection.execute(text("SELECT record_key FROM peer_tokens")).scalar_one() == "abc"
+    finally:
+        engine.dispose()
+
+
+def test_the_models_match_the_migrations(database_url):
+    """A table or column added to app/models.py without a migration (or the other way) shows here."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    import app.identity.models  # noqa: F401  (its tables join Base.metadata)
+    from app.models import Base
+
+    migrate(database_url)
+    engine = make_engine(database_url)
+    try:
+        with engine.connect() as connection:
+            assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
     finally:
         engine.dispose()

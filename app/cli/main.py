@@ -33,6 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--samples-per-second-ceiling", type=float, default=5000.0,
                         help="claims above this per peer are held, not credited")
     create.add_argument("--optimizer", type=json.loads, default={}, help="JSON object of optimizer options")
+    create.add_argument("--file", type=Path, action="append", default=[], dest="files",
+                        help="a data file the task options name (repeat for several); served to the run's workers")
+    create.add_argument("--target-epochs", type=int, help="end the run after this many optimizer steps")
+    create.add_argument("--checkpoints", type=json.loads, default={},
+                        help='JSON object: {"every_epochs": 10, "every_minutes": null, "keep": 3, "hub_repo": null}')
     create.add_argument("--if-missing", action="store_true", help="succeed quietly when the run exists")
 
     credential = commands.add_parser("issue-credential",
@@ -81,8 +86,6 @@ def cmd_migrate(args, settings: Settings) -> None:
 
 
 def cmd_create_run(args, settings: Settings) -> None:
-    from pydantic import ValidationError
-
     from app.runs import registry
     from app.core.database import make_engine, make_sessionmaker, migrate
     from app.core.errors import Invalid
@@ -92,15 +95,17 @@ def cmd_create_run(args, settings: Settings) -> None:
         if args.if_missing and any(run.slug == args.slug for run in registry.list_runs(session)):
             print(f"run {args.slug!r} already exists")
             return
-        try:
-            run = registry.create_run(
-                session, slug=args.slug, title=args.title or args.slug, task=args.task,
-                target_batch_size=args.target_batch_size, batch_size=args.batch_size,
-                task_options=args.task_options, optimizer=args.optimizer,
-                samples_per_second_ceiling=args.samples_per_second_ceiling,
-            )
-        except ValidationError as e:
-            raise Invalid(f"bad optimizer options: {e.errors()[0]['loc'][0]}: {e.errors()[0]['msg']}") from None
+        missing = [str(path) for path in args.files if not path.is_file()]
+        if missing:
+            raise Invalid(f"--file {missing[0]}: no such file")
+        run = registry.create_run_with_files(
+            session, settings.data_dir, {path.name: path for path in args.files},
+            slug=args.slug, title=args.title or args.slug, task=args.task,
+            target_batch_size=args.target_batch_size, batch_size=args.batch_size,
+            task_options=args.task_options, optimizer=args.optimizer,
+            samples_per_second_ceiling=args.samples_per_second_ceiling, target_epochs=args.target_epochs,
+            checkpoints=args.checkpoints,
+        )
     print(f"created run {run.slug!r}")
 
 

@@ -15,7 +15,9 @@ from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from hivemind.utils.crypto import RSAPrivateKey
 from dedloc_common.cleanup import end_descendants
-from dedloc_worker.admission import AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, to_access_token
+from dedloc_worker.admission import (AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, guard_handlers,
+                                    to_access_token)
+from dedloc_worker.errors import WorkerError
 from dedloc_worker.records import add_record_validators, publish_denylist, publish_plan, read_metrics, read_progress
 from dedloc_worker.swarm import reach_peers
 from sqlalchemy.exc import SQLAlchemyError
@@ -63,6 +65,7 @@ class CoordinatorNode:
         self.identity.parent.mkdir(parents=True, exist_ok=True)
         self.listen = listen
         self.plans = PlanKeeper(settings, min_interval_s=settings.plan_interval)
+        self.checkpointer = None
 
     def serve(self, stop: threading.Event) -> None:
         folder = Path(tempfile.mkdtemp(prefix="dedloc-coordinator-"))
@@ -73,8 +76,10 @@ class CoordinatorNode:
             check = TokenCheck(tokens.authority_public_key(session, self.settings, run))
         state = AdmissionState(folder)
         state.write_token(to_access_token(self._service_token(public_key)))
+        guard_handlers(state)  # the checkpointer's averager answers only admitted peers, like a worker's
         dht = self._start_dht(RunAuthorizer(check, state, key))
         keeper = None
+        self.checkpointer = None
         try:
             self.signature = add_record_validators(dht, self.config.run_id, key)
             keeper = AdmissionKeeper(dht, self.config.run_id, state, check, self.signature,
@@ -85,16 +90,42 @@ class CoordinatorNode:
                 self.coordinator_id = registry.register_coordinator(session, self.run, str(dht.peer_id), addrs).id
             logger.info("coordinator of %s up at %s", self.run.slug, addrs)
             print(f"coordinator of run {self.run.slug!r} listening at {addrs[0]}", flush=True)
+            self.checkpointer = self._start_checkpointer(dht)
             while not stop.is_set():
                 self.poll_once(dht)
                 stop.wait(self.settings.poll_interval)
         finally:
             self._mark_stopped()
+            if self.checkpointer is not None:
+                self.checkpointer.shutdown()
             if keeper is not None:
                 keeper.halt()
             dht.shutdown()
             end_descendants()
             shutil.rmtree(folder, ignore_errors=True)
+
+    def _start_checkpointer(self, dht):
+        """The run's checkpointer, or None (with the reason, once) when this run's task cannot be saved here."""
+        from dedloc_common.contract import CheckpointOptions
+
+        from app.coordinator.checkpointer import Checkpointer
+
+        with self.sessions() as session:
+            options = CheckpointOptions(**(registry.get_run(session, self.run.slug).checkpoints or {}))
+        try:
+            checkpointer = Checkpointer(dht, self.config, options, self.settings.data_dir, self.sessions,
+                                        on_saved=self._saved)
+        except (WorkerError, OSError) as e:
+            print(f"no checkpoints for run {self.run.slug!r}: {e}", flush=True)
+            return None
+        checkpointer.start()
+        return checkpointer
+
+    def _saved(self, epoch: int, final: bool) -> None:
+        if final:
+            with self.sessions() as session:
+                registry.set_state(session, registry.get_run(session, self.run.slug), "finished")
+            print(f"run {self.run.slug!r} reached its target at epoch {epoch} and is finished", flush=True)
 
     def _service_token(self, public_key: bytes):
         with self.sessions() as session:
@@ -149,6 +180,7 @@ class CoordinatorNode:
                 denylist = tokens.signed_denylist(session, self.settings, run)
                 credit_epochs(session, run, metrics)
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
+                self._offer_checkpoint(run, fields["epoch"])
                 record_snapshot(session, self.run, **fields)
                 registry.heartbeat(session, self.coordinator_id, known_peers=known_peers)
                 plan = self.plans.update(session, run, links_online(session, run, metrics, online, max_age))
@@ -161,6 +193,13 @@ class CoordinatorNode:
         publish_denylist(dht, self.config.run_id, self.signature, denylist)
         if plan is not None:
             publish_plan(dht, self.config.run_id, self.signature, plan)
+
+    def _offer_checkpoint(self, run, epoch: int) -> None:
+        if self.checkpointer is None or run.state == "finished":
+            return
+        self.checkpointer.offer(epoch)
+        if run.target_epochs is not None and epoch >= run.target_epochs:
+            self.checkpointer.finish()
 
     def _reach_known_workers(self, dht) -> None:
         """Seeing nobody, call the workers any coordinator of this run saw lately: a restarted or second

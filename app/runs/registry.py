@@ -6,7 +6,8 @@ import re
 from datetime import timedelta
 from typing import Any, Optional
 
-from dedloc_common.contract import JoinInfo, OptimizerOptions, RunConfig
+from dedloc_common.contract import RUN_STATES, CheckpointOptions, JoinInfo, OptimizerOptions, RunConfig
+from dedloc_common.tasks import TaskOptionError, validate_task
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
@@ -29,8 +30,13 @@ def create_run(
     optimizer: Optional[dict[str, Any]] = None,
     seed: int = 0,
     samples_per_second_ceiling: float = 5000.0,
+    target_epochs: Optional[int] = None,
+    checkpoints: Optional[dict[str, Any]] = None,
+    created_by: Optional[str] = None,
+    commit: bool = True,
 ) -> Run:
-    """Create a run; ``Invalid`` when the slug is malformed or taken, or an option is out of range."""
+    """Create a run; ``Invalid`` naming the option when the slug is malformed or taken, or an option is bad.
+    With ``commit=False`` the caller commits (after storing the run's files)."""
     if not SLUG.match(slug):
         raise Invalid(f"slug {slug!r} must be lowercase letters, digits and dashes (at most 63)")
     if session.scalar(select(Run).where(Run.slug == slug)):
@@ -39,20 +45,45 @@ def create_run(
         raise Invalid("samples_per_second_ceiling must be positive")
     if target_batch_size < batch_size or batch_size < 1:
         raise Invalid("target_batch_size must be at least batch_size, and batch_size at least 1")
+    if target_epochs is not None and target_epochs < 1:
+        raise Invalid("target_epochs must be at least 1 (or none: the run trains until its organizers end it)")
+    try:
+        task_options = validate_task(task, task_options or {})
+    except TaskOptionError as e:
+        raise Invalid(str(e)) from None
     run = Run(
         slug=slug,
         title=title,
         task=task,
-        task_options=task_options or {},
+        task_options=task_options,
+        target_epochs=target_epochs,
+        checkpoints=_checked(CheckpointOptions, checkpoints or {}, "checkpoints"),
+        created_by=created_by,
+        state="active",
         target_batch_size=target_batch_size,
         batch_size=batch_size,
         seed=seed,
         samples_per_second_ceiling=samples_per_second_ceiling,
-        optimizer=OptimizerOptions(**(optimizer or {})).model_dump(),
+        optimizer=_checked(OptimizerOptions, optimizer or {}, "optimizer"),
     )
     session.add(run)
-    session.commit()
+    if commit:
+        session.commit()
+    else:
+        session.flush()
     return run
+
+
+def _checked(model, values: dict[str, Any], name: str) -> dict[str, Any]:
+    """``values`` through a pydantic model; ``Invalid`` naming the first bad option."""
+    from pydantic import ValidationError
+
+    try:
+        return model.model_validate(values).model_dump()
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(part) for part in (name, *first["loc"]))
+        raise Invalid(f"{where}: {first['msg']}") from None
 
 
 def get_run(session: Session, slug: str) -> Run:
@@ -76,6 +107,8 @@ def run_config(run: Run) -> RunConfig:
         batch_size=run.batch_size,
         seed=run.seed,
         optimizer=OptimizerOptions(**run.optimizer),
+        target_epochs=run.target_epochs,
+        state=run.state or "active",
     )
 
 
@@ -86,8 +119,23 @@ def live_coordinators(session: Session, run: Run, timeout: float) -> list[Coordi
 
 
 def join_info(session: Session, run: Run, coordinator_timeout: float) -> JoinInfo:
+    """The run config, the coordinators' addresses, and the newest checkpoint (its url relative to the portal)."""
+    from app.runs import checkpoints
+
     peers = [addr for row in live_coordinators(session, run, coordinator_timeout) for addr in row.multiaddrs]
-    return JoinInfo(config=run_config(run), initial_peers=peers)
+    newest = checkpoints.latest(session, run)
+    return JoinInfo(config=run_config(run), initial_peers=peers,
+                    checkpoint=None if newest is None else checkpoints.describe(newest, run.slug))
+
+
+def set_state(session: Session, run: Run, state: str) -> None:
+    """Pause, resume or finish a run; workers follow within seconds (they ask the portal)."""
+    if state not in RUN_STATES:
+        raise Invalid(f"state {state!r}: use one of {', '.join(RUN_STATES)}")
+    if run.state == "finished" and state != "finished":
+        raise Invalid(f"run {run.slug!r} is finished; create a new run to train further")
+    run.state = state
+    session.commit()
 
 
 def register_coordinator(session: Session, run: Run, peer_id: str, multiaddrs: list[str]) -> Coordinator:
@@ -120,3 +168,23 @@ def heartbeat(session: Session, coordinator_id: int, alive: bool = True, known_p
             row.known_peers = known_peers
         session.commit()
 
+
+
+def create_run_with_files(session: Session, data_dir, uploads: dict[str, Any], **options) -> Run:
+    """Create a run and store the files it names (``uploads``: name -> local path), training its tokenizer if it
+    asks for one; nothing is kept when any step fails (``Invalid`` naming the option)."""
+    from app.runs import files
+
+    run = create_run(session, commit=False, **options)
+    try:
+        files.add_run_files(data_dir, run.slug, run.task, run.task_options, uploads)
+        if run.created_by:
+            from app.models import RunOrganizer
+
+            session.add(RunOrganizer(run_id=run.id, username=run.created_by))
+        session.commit()
+    except BaseException:
+        session.rollback()
+        files.remove_all(data_dir, run.slug)
+        raise
+    return run

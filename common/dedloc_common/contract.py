@@ -10,7 +10,8 @@ the HTTP models use pydantic v2 like the rest of the portal.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from datetime import datetime
+from typing import Any, Dict, List, Literal, Optional
 
 import pydantic.v1 as pydantic_v1
 from pydantic import BaseModel, Field
@@ -49,28 +50,74 @@ def metrics_key(run_id: str) -> str:
 
 
 class OptimizerOptions(BaseModel):
-    """How the swarm averages. Times are seconds."""
+    """How the swarm optimizes and averages. Times are seconds. The defaults suit peers across the internet (after
+    hivemind's examples); loopback swarms (the demo, the tests) set shorter times themselves."""
 
+    name: Literal["adam", "adamw", "lamb"] = Field("adamw", description="lamb: pytorch_optimizer's LAMB")
     lr: float = Field(3e-3, gt=0)
-    matchmaking_time: float = Field(0.5, gt=0)
-    averaging_timeout: float = Field(5.0, gt=0)
+    weight_decay: float = Field(0.0, ge=0)
+    # The learning rate rises linearly over warmup_epochs, then falls linearly to 0 over decay_epochs (if given).
+    warmup_epochs: int = Field(0, ge=0)
+    decay_epochs: Optional[int] = Field(None, gt=0)
+    clip_grad_norm: Optional[float] = Field(None, gt=0, description="clip each peer's gradient norm to this")
+    # What averaged gradients travel as: hivemind's fp16 or 8-bit quantile compression.
+    compression: Literal["none", "fp16", "uint8"] = "none"
+    matchmaking_time: float = Field(5.0, gt=0)
+    averaging_timeout: float = Field(60.0, gt=0)
     # Progress records of dead peers linger this long (seconds); short keeps survivors at full speed.
-    metadata_expiration: float = Field(15.0, gt=0)
+    metadata_expiration: float = Field(60.0, gt=0)
     delay_optimizer_step: bool = False
     delay_grad_averaging: bool = False
 
 
+# Loopback swarms (the demo, the tests): every peer on one machine, rounds form in well under a second.
+LOOPBACK_OPTIMIZER = {"matchmaking_time": 0.5, "averaging_timeout": 5.0, "metadata_expiration": 15.0}
+RUN_STATES = ("active", "paused", "finished")
+
+
+class CheckpointOptions(BaseModel):
+    """When the checkpointer (in the coordinator's process) saves the collaboration's state, and what it keeps."""
+
+    every_epochs: int = Field(10, ge=1, description="save after this many optimizer steps")
+    every_minutes: Optional[float] = Field(None, gt=0, description="and at least this often, when given")
+    keep: int = Field(3, ge=1, description="how many checkpoints stay downloadable (the final one always does)")
+    hub_repo: Optional[str] = Field(None, description="push each checkpoint to this Hugging Face Hub model "
+                                                      "repository (the coordinator's HF_TOKEN)")
+
+
 class RunConfig(BaseModel):
-    """A run as workers see it: what to train and how to average."""
+    """A run as workers see it: what to train, how to average, and whether to train now."""
 
     slug: str
     run_id: str = Field(description="hivemind run id: prefix of every DHT key of this run")
-    task: str = Field(description="task plugin name, or 'module:attr' of a Task class")
+    task: str = Field(description="a built-in task (dedloc_common.tasks) or 'module:attr' of a Task class")
     task_options: Dict[str, Any] = Field(default_factory=dict)
     target_batch_size: int = Field(gt=0, description="samples per collaboration-wide optimizer step")
     batch_size: int = Field(gt=0, description="samples per local mini-step")
     seed: int = 0
     optimizer: OptimizerOptions = Field(default_factory=OptimizerOptions)
+    target_epochs: Optional[int] = Field(None, gt=0, description="the run ends after this many optimizer steps")
+    state: Literal["active", "paused", "finished"] = "active"
+
+
+class RunFile(BaseModel):
+    """A file a run serves to its workers (``GET /api/v1/runs/{slug}/files``): data, or a trained tokenizer."""
+
+    name: str
+    size: int = Field(ge=0, description="bytes")
+    sha256: str
+
+
+class CheckpointInfo(BaseModel):
+    """A stored checkpoint of a run (``GET /api/v1/runs/{slug}/checkpoints``, newest first)."""
+
+    epoch: int = Field(ge=0)
+    samples: int = Field(ge=0, description="samples the collaboration had averaged when it was taken")
+    created_at: datetime
+    eval_loss: Optional[float] = Field(None, description="loss on the run's held-out data, None without any")
+    sha256: str = Field(description="of the archive")
+    size: int = Field(ge=0, description="bytes of the archive")
+    url: str = Field(description="a tar archive whose files load with from_pretrained after extraction")
 
 
 class JoinInfo(BaseModel):
@@ -78,6 +125,8 @@ class JoinInfo(BaseModel):
 
     config: RunConfig
     initial_peers: List[str] = Field(description="multiaddrs of the run's coordinator(s); empty while none is up")
+    checkpoint: Optional[CheckpointInfo] = Field(None, description="the newest checkpoint: where a swarm that "
+                                                 "lost every peer resumes")
 
 
 class EpochContribution(pydantic_v1.BaseModel):

@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the run's coordinator")
     join.add_argument("--report", type=Path, help="write this worker's contributions here as JSON on exit")
     join.add_argument("--state-out", type=Path, help="write the final model parameters here (torch.save) on exit")
-    join.add_argument("--threads", type=int, default=1, help="CPU threads for torch")
+    join.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
+                      help="where to train: a CUDA GPU when there is one (auto), or force one")
+    join.add_argument("--threads", type=int, help="CPU threads for torch (default: this machine's physical cores)")
     return parser
 
 
@@ -56,10 +58,15 @@ def main(argv=None) -> int:
 def run_and_report(args, stop: threading.Event) -> int:
     from .join import run_join
 
+    from .errors import RUN_FINISHED
+
     result = run_join(args, stop)
     write_outputs(args, result)
     print(f"left the swarm at epoch {result.final_epoch}; "
           f"contributed {sum(c.samples for c in result.contributions)} samples", flush=True)
+    if result.finished:
+        print(f"run {args.run!r} is finished: thank you! Its final model is on the run's page", flush=True)
+        return RUN_FINISHED
     return 0
 
 

@@ -6,7 +6,12 @@
     ├── TrainingError      training stopped: a bad task, non-finite parameters (exit 4)
     ├── SwarmError         no peer of the run could be reached (exit 5)
     └── AdmissionError     the run refused this worker: not signed in, banned, not allowlisted, limits (exit 6)
+
+A run that reached its target (or that its organizers ended) is no error: the worker leaves with exit code 7,
+``RUN_FINISHED``, so scripts can tell "done" from "stopped".
 """
+
+RUN_FINISHED = 7
 
 
 class WorkerError(Exception):
@@ -31,3 +36,9 @@ class SwarmError(WorkerError):
 
 class AdmissionError(WorkerError):
     exit_code = 6
+
+
+class RunFinished(WorkerError):
+    """Not a failure: the run is over. The CLI prints the message and exits with ``RUN_FINISHED``."""
+
+    exit_code = RUN_FINISHED

@@ -33,28 +33,34 @@ def run_join(args, stop: threading.Event):
     import torch
 
     from dedloc_common.cleanup import end_descendants
-    from .tasks import load_task_class
+    from . import device
 
-    torch.set_num_threads(args.threads)
+    placement = device.choose(args.device, args.threads)
+    torch.set_num_threads(placement.threads)
     folder = Path(tempfile.mkdtemp(prefix="dedloc-worker-"))  # mode 0700: our key and token live here
     try:
-        return _join(args, stop, folder, load_task_class)
+        return _join(args, stop, folder, placement)
     finally:
         end_descendants()
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _join(args, stop, folder: Path, load_task_class):
+def _join(args, stop, folder: Path, placement):
+    from dedloc_common.tasks import run_files
+
     from .admission import AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, guard_handlers, to_access_token
     from .identity import PeerIdentity
     from .planning import PlanFollower, link_report
-    from .portal import fetch_join_info, measure_link, request_peer_token, wait_for_peers
+    from .portal import RunWatch, fetch_join_info, measure_link, request_peer_token, wait_for_peers
     from .progress import ProgressDisplay
     from .receipts import ReceiptLog, note_own_rounds
     from .records import add_record_validators
+    from .run_files import fetch_run_files
+    from .tasks import build_task
     from .trainer import train
 
-    fetch_join_info(args.portal, args.run)  # an unknown run or an unreachable portal fails before any login
+    # An unknown run, an ended one or an unreachable portal fails before any login.
+    ended(fetch_join_info(args.portal, args.run).config)
     credential = obtain_credential(args.portal)
     identity = PeerIdentity(folder)
     refresh = lambda: request_peer_token(args.portal, args.run, credential, identity.public_key)  # noqa: E731
@@ -62,10 +68,13 @@ def _join(args, stop, folder: Path, load_task_class):
     deadline = time.monotonic() + args.wait
     info = grant.join if grant.join.initial_peers else wait_for_peers(args.portal, args.run, args.wait)
     config, username = info.config, grant.token.username
-    task = load_task_class(config.task)(config.task_options, config.seed)
+    files = fetch_run_files(args.portal, args.run, run_files(config.task, config.task_options))
+    task = build_task(config, files, data_seed=int(identity.peer_id.encode().hex()[-8:], 16))
+    if hasattr(task, "to"):
+        task.to(placement.device, placement.amp)
     role = " as an auxiliary peer" if args.aux else ""
     print(f"joining run {config.slug!r} as {username}{role}: task {config.task}, "
-          f"global batch {config.target_batch_size} samples", flush=True)
+          f"global batch {config.target_batch_size} samples, on {placement.description}", flush=True)
     measured = measure_link(args.portal, args.run, credential)
     link = link_report(measured, task.model.parameters(), args.client, args.aux)
     if measured:
@@ -79,7 +88,7 @@ def _join(args, stop, folder: Path, load_task_class):
     note_own_rounds(receipts)
     authorizer = RunAuthorizer(check, state, identity.private_key)
     dht = join_swarm(args, info, deadline, identity.identity_path, authorizer)
-    keeper = follower = None
+    keeper = follower = watch = None
     try:
         signature = add_record_validators(dht, config.run_id, identity.private_key)
         coordinators = lambda: fetch_join_info(args.portal, args.run).initial_peers  # noqa: E731
@@ -91,15 +100,21 @@ def _join(args, stop, folder: Path, load_task_class):
         time.sleep(keeper.interval)
         follower = PlanFollower(dht, config.run_id, check, link)
         follower.start()
+        # Organizers' pauses reach a worker within a few matchmaking times (10 s at most).
+        watch = RunWatch(args.portal, args.run, config.state,
+                         interval=max(1.0, min(10.0, 4 * config.optimizer.matchmaking_time)))
+        watch.start()
+        resume = resume_state(args.portal, dht, config, info.checkpoint, folder) if not args.aux else None
         with ProgressDisplay() as display:
             result = train(dht, config, task, username, stop, signature, args.max_epochs, args.client,
-                           display.update, receipts, follower, args.aux)
+                           display.update, receipts, follower, args.aux, hardware=placement.description,
+                           watch=watch, resume=resume)
         if keeper.failure:
             raise AdmissionError(keeper.failure)
         result.username, result.peer_id = username, identity.peer_id
         return result
     finally:
-        for thread in (follower, keeper):
+        for thread in (watch, follower, keeper):
             if thread is not None:
                 thread.halt()
         dht.shutdown()
@@ -122,3 +137,30 @@ def join_swarm(args, info, deadline: float, identity_path: Path, authorizer):
             print("the run's coordinator is unreachable; asking the portal again...", flush=True)
             time.sleep(2.0)
             info = wait_for_peers(args.portal, args.run, max(deadline - time.monotonic(), 1.0))
+
+
+def ended(config) -> None:
+    """Refuse to join a run that is over: ``RunFinished``, which the CLI reports with its own exit code."""
+    from .errors import RunFinished
+
+    if config.state == "finished":
+        raise RunFinished(f"run {config.slug!r} is finished; its final model is on the run's page")
+
+
+def resume_state(portal_url: str, dht, config, checkpoint, folder: Path):
+    """The newest checkpoint's training state when no peer of the swarm trains now (it was stopped, every worker
+    left); None when peers are training (hivemind downloads their newer state) or there is no checkpoint."""
+    from .checkpoints import extract, read_state
+    from .portal import download_checkpoint
+    from .records import read_progress
+
+    if checkpoint is None:
+        return None
+    training = [p for p in read_progress(dht, config.run_id, config.optimizer.metadata_expiration)
+                if p.progress.epoch >= checkpoint.epoch]
+    if training:
+        return None
+    archive = download_checkpoint(portal_url, checkpoint, folder)
+    state = read_state(extract(archive, folder / "resume"))
+    print(f"resuming the run from its checkpoint at epoch {state['epoch']}", flush=True)
+    return state

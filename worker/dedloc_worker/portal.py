@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+import threading
 import time
 
 import httpx
 import pydantic
 
 from dedloc_common.contract import API_PREFIX, JoinInfo, PeerTokenGrant, PeerTokenRequest
-from .errors import AdmissionError, ConfigError, PortalError
+from .errors import AdmissionError, ConfigError, PortalError, WorkerError
 
 
 def fetch_join_info(portal_url: str, slug: str, transport: httpx.BaseTransport | None = None) -> JoinInfo:
@@ -93,3 +94,46 @@ def measure_link(portal_url: str, slug: str, credential: str, size: int = 4 * 10
     except httpx.HTTPError:
         return None
     return upload, download
+
+
+class RunWatch(threading.Thread):
+    """The run's state as the portal says it, asked every ``interval`` seconds: organizers pause, resume and end
+    runs on the portal, and a worker follows within that time. An unreachable portal leaves the state as it was."""
+
+    def __init__(self, portal_url: str, slug: str, state: str = "active", interval: float = 10.0):
+        super().__init__(name="dedloc-run-watch", daemon=True)
+        self.portal_url, self.slug, self.state, self.interval = portal_url, slug, state, interval
+        self._halt = threading.Event()
+
+    def run(self) -> None:
+        while not self._halt.wait(self.interval):
+            try:
+                self.state = fetch_join_info(self.portal_url, self.slug).config.state
+            except WorkerError:
+                continue
+
+    def halt(self) -> None:
+        self._halt.set()
+
+
+def download_checkpoint(portal_url: str, checkpoint, folder) -> "Path":
+    """Download a checkpoint archive (its url may be relative to the portal) into ``folder``, checking its
+    sha256; ``PortalError`` when that fails."""
+    import hashlib
+    from pathlib import Path
+
+    target = Path(folder) / f"checkpoint-{checkpoint.epoch}.tar"
+    digest = hashlib.sha256()
+    try:
+        with httpx.Client(timeout=60, follow_redirects=True) as client, client.stream(
+                "GET", httpx.URL(portal_url.rstrip("/") + "/").join(checkpoint.url)) as response:
+            response.raise_for_status()
+            with target.open("wb") as out:
+                for chunk in response.iter_bytes(1 << 20):
+                    digest.update(chunk)
+                    out.write(chunk)
+    except httpx.HTTPError as e:
+        raise PortalError(f"cannot download the run's checkpoint ({e}); retry in a minute") from None
+    if digest.hexdigest() != checkpoint.sha256:
+        raise PortalError("the run's checkpoint arrived damaged (sha256 mismatch); retry")
+    return target

@@ -87,13 +87,49 @@ class AccountedOptimizer(hivemind.Optimizer):
         self.finished_epochs.append(FinishedEpoch(self.local_epoch - 1, samples))
 
 
+def inner_optimizer(options):
+    """The run's optimizer as hivemind wants it: a factory of params (the checkpointer builds the same one)."""
+    import torch
+
+    if options.name == "lamb":
+        from pytorch_optimizer import Lamb
+
+        return functools.partial(Lamb, lr=options.lr, weight_decay=options.weight_decay)
+    if options.name == "adam":
+        return functools.partial(torch.optim.Adam, lr=options.lr, weight_decay=options.weight_decay)
+    return functools.partial(torch.optim.AdamW, lr=options.lr, weight_decay=options.weight_decay)
+
+
+def scheduler_factory(options):
+    """Linear warm-up over ``warmup_epochs``, then linear decay to 0 over ``decay_epochs``; hivemind steps it once
+    per epoch. None when neither is set."""
+    import torch
+
+    if not options.warmup_epochs and not options.decay_epochs:
+        return None
+    warmup, decay = options.warmup_epochs, options.decay_epochs
+
+    def factor(epoch: int) -> float:
+        if epoch < warmup:
+            return (epoch + 1) / (warmup + 1)
+        if decay:
+            return max(0.0, 1.0 - (epoch - warmup) / decay)
+        return 1.0
+
+    return lambda optimizer: torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
+
+
+def gradient_compression(options):
+    from hivemind.compression import Float16Compression, NoCompression, Uniform8BitQuantization
+
+    return {"fp16": Float16Compression, "uint8": Uniform8BitQuantization}.get(options.compression, NoCompression)()
+
+
 def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: bool = False, verbose: bool = False):
     """The run's collaborative optimizer over ``params``, configured from the run config.
 
     :param aux: an auxiliary peer: it aggregates its share of every round and trains nothing
     """
-    import torch
-
     from .averaging import PlannedGradientAverager, guard_weightless_parts
 
     guard_weightless_parts()
@@ -106,13 +142,15 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
         dht=dht,
         run_id=config.run_id,
         params=params,
-        optimizer=functools.partial(torch.optim.Adam, lr=opt.lr),
+        optimizer=inner_optimizer(opt),
+        scheduler=scheduler_factory(opt),
         target_batch_size=config.target_batch_size,
         batch_size_per_step=None if aux else config.batch_size,
         matchmaking_time=opt.matchmaking_time,
         averaging_timeout=opt.averaging_timeout,
         delay_optimizer_step=opt.delay_optimizer_step,
         delay_grad_averaging=opt.delay_grad_averaging,
+        grad_compression=gradient_compression(opt),
         # Pitfall 1: a client-mode DHT with an implicit Optimizer client_mode crashes at the first epoch.
         client_mode=client_mode,
         auxiliary=aux,
@@ -126,3 +164,27 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
     )
     signal.signal(signal.SIGINT, on_interrupt)  # pitfall 7
     return optimizer
+
+
+def restore(optimizer, state: dict) -> None:
+    """Put a checkpoint's training state (``checkpoints.read_state``) into a fresh optimizer, as hivemind's own
+    ``TrainingStateAverager.load_state_from_peers`` does after a download (docs/hivemind.md#resume)."""
+    import torch
+
+    averager = optimizer.state_averager
+    params = [p for group in averager.optimizer.param_groups for p in group["params"]]
+    if len(params) != len(state["parameters"]):
+        from .errors import ConfigError
+
+        raise ConfigError(f"the checkpoint holds {len(state['parameters'])} tensors, this run's model {len(params)}; "
+                          "it belongs to another model")
+    with torch.no_grad(), averager.lock_averaged_tensors:
+        averager.optimizer.load_state_dict(state["optimizer"])
+        for param, saved in zip(params, state["parameters"]):
+            param.copy_(saved)
+    if averager.offload_optimizer:
+        averager._apply_optimizer_parameters_()
+    if not averager.reuse_tensors:
+        averager._load_local_tensors_into_averager_()
+    averager.local_epoch = int(state["epoch"])
+    averager._update_scheduler()

@@ -12,13 +12,14 @@ from typing import Callable, List, Optional
 import torch
 
 from dedloc_common.contract import RECENT_EPOCHS_KEPT, EpochContribution, LinkReport, MetricsRecord, RunConfig, mean_loss
-from .errors import TrainingError
+from .errors import TrainingError, WorkerError
 from .records import publish_metrics
-from .swarm import create_optimizer
+from .swarm import create_optimizer, restore
 
 
 LEAVE_GRACE = 2.0  # seconds a leaving peer keeps serving the round it just finished
 AUX_POLL = 0.2  # seconds an auxiliary peer waits between two looks for a round to aggregate
+FINAL_WAIT = 600.0  # seconds a peer at the run's target serves its state for the final checkpoint, at most
 
 
 @dataclass
@@ -38,6 +39,7 @@ class TrainingResult:
     state: dict
     username: str = ""
     peer_id: str = ""
+    finished: bool = False  # the run reached its target (or its organizers ended it)
 
 
 @dataclass
@@ -76,6 +78,9 @@ def train(
     receipts=None,
     follower=None,
     aux: bool = False,
+    hardware: str = "",
+    watch=None,
+    resume: Optional[dict] = None,
 ) -> TrainingResult:
     """Train until ``stop`` is set or the collaboration reaches ``max_epochs``; always leaves the swarm.
 
@@ -83,21 +88,41 @@ def train(
     :param receipts: a ``receipts.ReceiptLog`` of the gradient parts this peer aggregated
     :param follower: a ``planning.PlanFollower``: applies the coordinator's averaging plan, reports the link
     :param aux: an auxiliary peer: computes nothing, aggregates its share of every round
+    :param hardware: where it trains, in words (``device.Placement.description``)
+    :param watch: a ``portal.RunWatch``: the run's state (paused, finished) as the portal says it now
+    :param resume: a checkpoint's training state to start from (``checkpoints.read_state``)
     :returns: this peer's contributions (samples per epoch it took part in) and its final parameters
     """
     addrs = [] if client_mode else [str(addr) for addr in dht.get_visible_maddrs()]
-    hardware = describe_hardware()
+    hardware = hardware or describe_hardware()
     opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode, aux=aux)
+    if resume is not None:
+        restore(opt, resume)
+    scaler = grad_scaler(task)
     contributions: deque = deque(maxlen=RECENT_EPOCHS_KEPT)
     every_contribution: List[EpochContribution] = []
     tally = EpochTally(opt.local_epoch)
+    ends = [e for e in (max_epochs, config.target_epochs) if e is not None]
+    finished = False
     try:
-        while not stop.is_set() and (max_epochs is None or epoch_of(opt, aux) < max_epochs):
+        while not stop.is_set():
+            if config.target_epochs is not None and epoch_of(opt, aux) >= config.target_epochs:
+                finished = True
+                await_final_checkpoint(watch, stop)
+                break
+            if ends and epoch_of(opt, aux) >= min(ends):
+                break
+            if watch is not None and watch.state != "active":
+                if watch.state == "finished":
+                    finished = True
+                    break
+                stop.wait(watch.interval)  # paused: keep the swarm connection, train nothing
+                continue
             if aux:
                 opt.step()  # joins the round when the swarm is ready for one
                 stop.wait(AUX_POLL)
             else:
-                mini_step(task, config, opt, tally)
+                mini_step(task, config, opt, tally, scaler)
             while opt.finished_epochs:
                 finished = opt.finished_epochs.pop(0)
                 contribution = close_epoch(tally, finished, *(receipts.drain() if receipts else (None, {})))
@@ -114,9 +139,20 @@ def train(
         # This peer's averager still holds parts of the last round that partners are receiving: leaving at once
         # would fail their round and split the model. A short grace lets it deliver them.
         time.sleep(LEAVE_GRACE)
-        return TrainingResult(every_contribution, opt.local_epoch, state)
+        return TrainingResult(every_contribution, opt.local_epoch, state, finished=finished)
     finally:
         opt.shutdown()
+
+
+def await_final_checkpoint(watch, stop: threading.Event, limit: float = FINAL_WAIT) -> None:
+    """At the target, keep serving this peer's state until the checkpointer has saved the final model and the
+    portal marks the run finished (or ``limit`` seconds pass): leaving at once could leave nobody to download from."""
+    if watch is None:
+        return
+    print("the run reached its target; waiting for the final checkpoint before leaving...", flush=True)
+    deadline = time.monotonic() + limit
+    while watch.state != "finished" and not stop.is_set() and time.monotonic() < deadline:
+        stop.wait(min(watch.interval, 1.0))
 
 
 def epoch_of(opt, aux: bool) -> int:
@@ -124,18 +160,36 @@ def epoch_of(opt, aux: bool) -> int:
     return max(opt.local_epoch, opt.tracker.global_epoch) if aux else opt.local_epoch
 
 
-def mini_step(task, config: RunConfig, opt, tally: EpochTally) -> None:
+def grad_scaler(task):
+    """hivemind's gradient scaler where the task trains in float16 (bf16 and fp32 need none)."""
+    if getattr(task, "autocast", None) is not torch.float16:
+        return None
+    from hivemind import GradScaler
+
+    return GradScaler()
+
+
+def mini_step(task, config: RunConfig, opt, tally: EpochTally, scaler=None) -> None:
     """One local mini-batch: forward, backward, and hand the gradients to the collaborative optimizer."""
     try:
         loss = task.batch_loss(config.batch_size)
-        loss.backward()
+        (scaler.scale(loss) if scaler is not None else loss).backward()
+    except WorkerError:
+        raise
     except Exception as e:  # a task is a plugin: say which one failed, in one line
         raise TrainingError(f"task {config.task!r} failed: {type(e).__name__}: {e}") from e
     if not math.isfinite(loss.item()):
         raise TrainingError(f"the loss became {loss.item()}; the task or its learning rate is unstable")
     tally.loss_sum += loss.item()
     tally.mini_steps += 1
-    opt.step()
+    if config.optimizer.clip_grad_norm:
+        # Scaled gradients scale their norm alike: clipping at the scaled bound clips the true gradient at the bound.
+        bound = config.optimizer.clip_grad_norm * (scaler.get_scale() if scaler is not None else 1.0)
+        torch.nn.utils.clip_grad_norm_(task.model.parameters(), bound)
+    if scaler is not None:
+        opt.step(grad_scaler=scaler)
+    else:
+        opt.step()
     opt.zero_grad()
 
 

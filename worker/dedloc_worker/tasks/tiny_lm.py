@@ -43,7 +43,8 @@ class TinyLanguageModel:
     :param seed: seeds the model initialisation (same on every peer); the data order is drawn per process
     """
 
-    def __init__(self, options: dict, seed: int):
+    def __init__(self, options: dict, seed: int, files=None, data_seed: int = 0):
+        self.options = options
         self.context = int(options.get("context", 64))
         torch.manual_seed(seed)
         self.model = TinyTransformer(
@@ -58,6 +59,24 @@ class TinyLanguageModel:
         windows = torch.stack([self.data[s : s + self.context + 1] for s in starts.tolist()])
         logits = self.model(windows[:, :-1])
         return nn.functional.cross_entropy(logits.reshape(-1, 256), windows[:, 1:].reshape(-1))
+
+    def to(self, device: str, amp=None) -> "TinyLanguageModel":
+        self.model.to(device)
+        self.data = self.data.to(device)
+        return self
+
+    def evaluate(self):
+        return None  # it learns from all of its text: nothing is held out
+
+    def save(self, folder) -> None:
+        """Its parameters as model.safetensors and its options as config.json."""
+        import json
+        from pathlib import Path
+
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in self.model.state_dict().items()}, str(Path(folder) / "model.safetensors"))
+        (Path(folder) / "config.json").write_text(json.dumps({"task": "tiny-lm", **self.options}))
 
     @staticmethod
     def initial_loss() -> float:

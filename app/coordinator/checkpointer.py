@@ -1,0 +1,141 @@
+"""The checkpointer: in the coordinator's process, it downloads the collaboration's state from the workers every
+``every_epochs`` optimizer steps (or ``every_minutes``), evaluates it on the run's held-out data and stores it as
+an archive the portal serves; the last one of a run that reached its target is marked final.
+
+It is a peer of the swarm under the coordinator's own service token: hivemind's ``TrainingStateAverager`` with the
+run's optimizer, the same prefix as the workers' and state sharing off, so it never hands its (older) state to a
+joiner. The download runs in its own thread; the poll loop only says which epoch the swarm is at."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from pathlib import Path
+from typing import Callable, Optional
+
+from dedloc_common.contract import CheckpointOptions, RunConfig
+from dedloc_common.tasks import run_files
+from dedloc_worker.checkpoints import write_archive
+from dedloc_worker.swarm import inner_optimizer, scheduler_factory
+from dedloc_worker.tasks import build_task
+
+from app.runs import checkpoints as store
+from app.runs import files
+
+logger = logging.getLogger("dedloc.checkpointer")
+DOWNLOAD_TIMEOUT = 120.0  # seconds for one state download from a worker
+
+
+class Checkpointer(threading.Thread):
+    """Saves when due; ``offer(epoch)`` after each poll, ``finish()`` once for the final model."""
+
+    def __init__(self, dht, config: RunConfig, options: CheckpointOptions, data_dir: Path, sessions,
+                 on_saved: Callable[[int, bool], None] = lambda epoch, final: None):
+        super().__init__(name="dedloc-checkpointer", daemon=True)
+        self.config, self.options, self.data_dir, self.sessions = config, options, Path(data_dir), sessions
+        self.on_saved = on_saved
+        paths = {name: files.path_of(data_dir, config.slug, name) for name in run_files(config.task,
+                                                                                            config.task_options)}
+        self.task = build_task(config, paths)
+        opt = config.optimizer
+        from hivemind.optim.state_averager import TrainingStateAverager
+
+        self.averager = TrainingStateAverager(
+            dht=dht, prefix=f"{config.run_id}_state_averager", params=self.task.model.parameters(),
+            optimizer=inner_optimizer(opt), scheduler=scheduler_factory(opt),
+            # As hivemind.Optimizer builds the workers' (offloaded optimizer): the state has the same tensors.
+            offload_optimizer=True, custom_gradients=True, allow_state_sharing=False,
+            min_matchmaking_time=opt.matchmaking_time, request_timeout=opt.matchmaking_time / 2, start=True,
+        )
+        with sessions() as session:
+            newest = store.latest(session, self._run(session))
+            self.saved_epoch = newest.epoch if newest is not None else -1
+        self.saved_at = time.monotonic()
+        self.swarm_epoch = 0
+        self.final_wanted = False
+        self.final_saved = False
+        self._wake, self._halt = threading.Event(), threading.Event()
+
+    def offer(self, epoch: int) -> None:
+        self.swarm_epoch = max(self.swarm_epoch, epoch)
+        if self.due():
+            self._wake.set()
+
+    def finish(self) -> None:
+        self.final_wanted = True
+        self._wake.set()
+
+    def due(self) -> bool:
+        if self.swarm_epoch <= self.saved_epoch:
+            return False
+        if self.swarm_epoch - max(self.saved_epoch, 0) >= self.options.every_epochs:
+            return True
+        minutes = self.options.every_minutes
+        return minutes is not None and time.monotonic() - self.saved_at >= 60 * minutes
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self._wake.wait(timeout=5.0)
+            self._wake.clear()
+            if self._halt.is_set():
+                break
+            if self.final_wanted and not self.final_saved:
+                self.final_saved = self.save(final=True) is not None
+            elif self.due():
+                self.save()
+
+    def halt(self) -> None:
+        self._halt.set()
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self.halt()
+        self.join(timeout=DOWNLOAD_TIMEOUT + 10)
+        self.averager.shutdown()
+
+    def save(self, final: bool = False) -> Optional[int]:
+        """Download the state, evaluate it, store it; the epoch saved, or None when no peer gave newer state."""
+        before = self.averager.local_epoch
+        try:
+            self.averager.load_state_from_peers(timeout=DOWNLOAD_TIMEOUT)
+        except Exception as e:  # a worker that left mid-download: the next due time tries again
+            logger.warning("could not download the collaboration's state: %s", e)
+            return None
+        epoch = self.averager.local_epoch
+        if epoch <= max(before, self.saved_epoch) and not (final and epoch >= 0 and epoch == self.saved_epoch):
+            logger.info("no peer holds state newer than epoch %d yet", max(before, self.saved_epoch))
+            self.saved_at = time.monotonic()
+            return None
+        eval_loss = self.task.evaluate() if hasattr(self.task, "evaluate") else None
+        folder = store.checkpoints_dir(self.data_dir, self.config.slug)
+        folder.mkdir(parents=True, exist_ok=True)
+        name = f"epoch-{epoch:06d}.tar"
+        with self.sessions() as session:
+            run = self._run(session)
+            from app.credit.ledger import samples_total
+
+            samples = samples_total(session, run)
+        meta = {"run": self.config.slug, "task": self.config.task, "epoch": epoch, "samples": samples,
+                "eval_loss": eval_loss, "final": final}
+        scheduler = self.averager.scheduler.state_dict() if self.averager.scheduler is not None else None
+        params = [p for group in self.averager.optimizer.param_groups for p in group["params"]]
+        sha256 = write_archive(folder / name, self.task, params, self.averager.optimizer.state_dict(), scheduler,
+                               meta)
+        with self.sessions() as session:
+            run = self._run(session)
+            store.record(session, run, epoch=epoch, samples=samples, eval_loss=eval_loss, sha256=sha256,
+                         size=(folder / name).stat().st_size, file_name=name, final=final)
+            store.prune(session, self.data_dir, run, self.options.keep)
+            session.commit()
+        self.saved_epoch, self.saved_at = epoch, time.monotonic()
+        loss = "" if eval_loss is None else f", evaluation loss {eval_loss:.4f}"
+        print(f"checkpoint of run {self.config.slug!r} at epoch {epoch}{loss}{' (final)' if final else ''}",
+              flush=True)
+        self.on_saved(epoch, final)
+        return epoch
+
+    def _run(self, session):
+        from app.runs import registry
+
+        return registry.get_run(session, self.config.slug)
