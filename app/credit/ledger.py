@@ -7,6 +7,7 @@ from datetime import datetime
 from typing import Iterable, Optional
 
 from dedloc_common.contract import MetricsRecord
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy import Select, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
@@ -29,10 +30,11 @@ def samples_total(session: Session, run: Run) -> int:
     return session.scalar(select(func.coalesce(func.sum(Contribution.credited), 0)).where(Contribution.run_id == run.id))
 
 
-@dataclass(frozen=True)
-class LeaderboardRow:
-    """A user's standing: credited samples, samples held back, runtime (seconds their peers spent in counted
-    epochs), distinct peer keys, the team they chose, and when the swarm last recorded an epoch of theirs."""
+class LeaderboardEntry(BaseModel):
+    """A user on a board: ``samples`` credited, ``held_samples`` held back for review, ``runtime_seconds`` their
+    peers spent in counted epochs, ``team`` they represent (or null), ``last_seen`` when an epoch was recorded."""
+
+    model_config = ConfigDict(frozen=True)
 
     username: str
     samples: int
@@ -61,14 +63,16 @@ def credit_columns() -> tuple:
     )
 
 
-def leaderboard(session: Session, run: Optional[Run] = None, limit: Optional[int] = 100) -> list[LeaderboardRow]:
-    """Public users by credited samples, most first, in ``run`` or across all runs (``run=None``)."""
+def leaderboard(session: Session, run: Optional[Run] = None, limit: Optional[int] = 100) -> list[LeaderboardEntry]:
+    """Public users by credited samples, most first, in ``run`` or across all runs (``run=None``); the API
+    returns these as they are."""
     query = only_public(
         select(Contribution.username, User.team, *credit_columns()).select_from(Contribution), run
     ).group_by(Contribution.username, User.team).order_by(func.sum(Contribution.credited).desc(), Contribution.username)
     return [
-        LeaderboardRow(r.username, int(r.samples), round(float(r.runtime), 3), int(r.peers), int(r.held), r.team,
-                       as_utc(r.last_seen) if r.last_seen else None)
+        LeaderboardEntry(username=r.username, samples=int(r.samples), runtime_seconds=round(float(r.runtime), 3),
+                         peers=int(r.peers), held_samples=int(r.held), team=r.team,
+                         last_seen=as_utc(r.last_seen) if r.last_seen else None)
         for r in session.execute(query.limit(limit))
     ]
 

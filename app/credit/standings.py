@@ -1,15 +1,15 @@
 """Public standings beyond the per-user board: teams, and one user's totals per run and overall.
 
-Every query here leaves hidden users out (``accounting.only_public``), except where a caller asks for a user's
+Every query here leaves hidden users out (``ledger.only_public``), except where a caller asks for a user's
 own totals.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from datetime import datetime
 from typing import Optional
 
+from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
@@ -23,48 +23,52 @@ from app.models import Contribution, Run
 NO_PUBLIC_USER = "no public contributor by that name: unknown, or hidden from public boards"
 
 
-@dataclass(frozen=True)
-class Totals:
+class Totals(BaseModel):
     """Credited and held samples, runtime (seconds), distinct peer keys, and when an epoch was last recorded."""
 
-    samples: int = 0
-    held_samples: int = 0
-    runtime_seconds: float = 0.0
-    peers: int = 0
-    last_seen: Optional[datetime] = None
+    model_config = ConfigDict(frozen=True)
+
+    samples: int
+    held_samples: int
+    runtime_seconds: float
+    peers: int
+    last_seen: Optional[datetime]
 
 
-def totals_of(row) -> Totals:
-    return Totals(int(row.samples), int(row.held), round(float(row.runtime), 3), int(row.peers),
-                  as_utc(row.last_seen) if row.last_seen else None)
+def totals_of(row) -> dict:
+    """The ``Totals`` fields of a row of ``ledger.credit_columns``."""
+    return dict(samples=int(row.samples), held_samples=int(row.held), runtime_seconds=round(float(row.runtime), 3),
+                peers=int(row.peers), last_seen=as_utc(row.last_seen) if row.last_seen else None)
 
 
-@dataclass(frozen=True)
-class TeamRow:
-    """A team's standing: the sums of its public members' credit; ``members`` counts those credited or held."""
+class TeamEntry(Totals):
+    """A team on a board: the sums of its public members (``members`` of them credited or held)."""
 
     team: str
     members: int
-    totals: Totals
 
 
-def team_leaderboard(session: Session, run: Optional[Run] = None, limit: Optional[int] = 100) -> list[TeamRow]:
+def team_leaderboard(session: Session, run: Optional[Run] = None, limit: Optional[int] = 100) -> list[TeamEntry]:
     """Teams by credited samples, most first, in ``run`` or across runs; users without a team count for none."""
     query = only_public(
         select(User.team, func.count(func.distinct(Contribution.username)).label("members"), *credit_columns())
         .select_from(Contribution), run,
     ).where(User.team.is_not(None)).group_by(User.team).order_by(func.sum(Contribution.credited).desc(), User.team)
-    return [TeamRow(r.team, int(r.members), totals_of(r)) for r in session.execute(query.limit(limit))]
+    return [TeamEntry(team=r.team, members=int(r.members), **totals_of(r)) for r in session.execute(query.limit(limit))]
 
 
-@dataclass(frozen=True)
-class UserTotals:
-    """A user's totals across runs, and per run (slug, totals) in the order the runs were created."""
+class RunTotals(Totals):
+    """A user's totals in one run."""
+
+    run: str
+
+
+class UserTotals(Totals):
+    """A user's totals across runs, and per run (oldest run first)."""
 
     username: str
     team: Optional[str]
-    totals: Totals
-    runs: list[tuple[str, Totals]]
+    runs: list[RunTotals]
 
 
 def user_totals(session: Session, username: str, public: bool = True) -> UserTotals:
@@ -80,5 +84,5 @@ def user_totals(session: Session, username: str, public: bool = True) -> UserTot
     if user is None and not per_run:
         raise NotFound(NO_PUBLIC_USER)
     overall = session.execute(select(*credit_columns()).where(Contribution.username == username)).one()
-    return UserTotals(username, user.team if user else None, totals_of(overall),
-                      [(row.slug, totals_of(row)) for row in per_run])
+    return UserTotals(username=username, team=user.team if user else None, **totals_of(overall),
+                      runs=[RunTotals(run=row.slug, **totals_of(row)) for row in per_run])

@@ -20,7 +20,6 @@ import gzip
 import io
 import json
 import os
-from dataclasses import asdict
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
 from typing import Callable, Iterable, Optional
@@ -28,13 +27,13 @@ from typing import Callable, Iterable, Optional
 from sqlalchemy.orm import Session
 
 from app.runs import registry
-from app.credit.ledger import LeaderboardRow, leaderboard
+from app.credit.ledger import leaderboard
 from app.core.clock import as_utc
 from app.credit.standings import Totals, team_leaderboard
 
 FILES = ("users.json.gz", "users.csv.gz", "teams.json.gz", "teams.csv.gz")
 EXPORT_EVERY = timedelta(hours=24)
-TOTAL_FIELDS = ("samples", "held_samples", "runtime_seconds", "peers", "last_seen")
+TOTAL_FIELDS = tuple(Totals.model_fields)  # samples, held_samples, runtime_seconds, peers, last_seen
 USER_FIELDS = ("username", "team", "run", *TOTAL_FIELDS)
 TEAM_FIELDS = ("team", "members", "run", *TOTAL_FIELDS)
 
@@ -43,26 +42,23 @@ def stats_dir(data_dir: Path) -> Path:
     return Path(data_dir) / "stats"
 
 
-def totals_dict(totals: Totals) -> dict:
-    fields = asdict(totals)
-    fields["last_seen"] = totals.last_seen.isoformat() if totals.last_seen else None
+def totals_dict(entry) -> dict:
+    """The ``Totals`` fields of a board entry (a user's or a team's), ``last_seen`` in ISO 8601."""
+    fields = {name: getattr(entry, name) for name in TOTAL_FIELDS}
+    fields["last_seen"] = entry.last_seen.isoformat() if entry.last_seen else None
     return fields
-
-
-def row_totals(row: LeaderboardRow) -> Totals:
-    return Totals(row.samples, row.held_samples, row.runtime_seconds, row.peers, row.last_seen)
 
 
 def collect(session: Session) -> tuple[list[dict], list[dict]]:
     """(users, teams) as the JSON dumps list them: totals across runs and a ``runs`` list each."""
     boards = [(run.slug, {r.username: r for r in leaderboard(session, run, None)},
                {r.team: r for r in team_leaderboard(session, run, None)}) for run in reversed(registry.list_runs(session))]
-    users = [{"username": row.username, "team": row.team, **totals_dict(row_totals(row)),
-              "runs": [{"run": slug, **totals_dict(row_totals(by_user[row.username]))}
+    users = [{"username": row.username, "team": row.team, **totals_dict(row),
+              "runs": [{"run": slug, **totals_dict(by_user[row.username])}
                        for slug, by_user, _ in boards if row.username in by_user]}
              for row in leaderboard(session, None, None)]
-    teams = [{"team": row.team, "members": row.members, **totals_dict(row.totals),
-              "runs": [{"run": slug, "members": by_team[row.team].members, **totals_dict(by_team[row.team].totals)}
+    teams = [{"team": row.team, "members": row.members, **totals_dict(row),
+              "runs": [{"run": slug, "members": by_team[row.team].members, **totals_dict(by_team[row.team])}
                        for slug, _, by_team in boards if row.team in by_team]}
              for row in team_leaderboard(session, None, None)]
     return users, teams

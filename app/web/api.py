@@ -12,8 +12,8 @@ from app.credit import ledger, standings
 
 from app.runs import plans, registry, snapshots
 from app.web.deps import RunDep, SessionDep, SettingsDep
-from app.web.schemas import LeaderboardEntry, RunOut, SwarmOut, TeamEntry, UserOut
-from app.web.views import current_swarm, leaderboard_entry, run_out, swarm_out, team_entry, user_out
+from app.web.schemas import RunOut, SwarmOut
+from app.web.views import current_swarm, run_out, swarm_out
 
 router = APIRouter(prefix=API_PREFIX, tags=["api"])
 
@@ -60,31 +60,32 @@ def plan(run: RunDep, session: SessionDep):
 Limit = Annotated[int, Query(ge=1, le=1000, description="at most this many rows, from the top")]
 
 
-@router.get("/runs/{slug}/leaderboard", response_model=list[LeaderboardEntry])
+@router.get("/runs/{slug}/leaderboard", response_model=list[ledger.LeaderboardEntry])
 def leaderboard(run: RunDep, session: SessionDep, limit: Limit = 100):
     """Users by credited samples in this run, most first; users hidden from public boards are left out."""
-    return [leaderboard_entry(row) for row in ledger.leaderboard(session, run, limit)]
+    return ledger.leaderboard(session, run, limit)
 
 
-@router.get("/runs/{slug}/teams", response_model=list[TeamEntry])
+@router.get("/runs/{slug}/teams", response_model=list[standings.TeamEntry])
 def run_teams(run: RunDep, session: SessionDep, limit: Limit = 100):
     """Teams by their public members' credited samples in this run, most first."""
-    return [team_entry(row) for row in standings.team_leaderboard(session, run, limit)]
+    return standings.team_leaderboard(session, run, limit)
 
 
-@router.get("/leaderboard", response_model=list[LeaderboardEntry])
+@router.get("/leaderboard", response_model=list[ledger.LeaderboardEntry])
 def overall_leaderboard(session: SessionDep, limit: Limit = 100):
     """Users by credited samples across all runs, most first."""
-    return [leaderboard_entry(row) for row in ledger.leaderboard(session, None, limit)]
+    return ledger.leaderboard(session, None, limit)
 
 
-@router.get("/teams", response_model=list[TeamEntry])
+@router.get("/teams", response_model=list[standings.TeamEntry])
 def teams(session: SessionDep, limit: Limit = 100):
     """Teams by their public members' credited samples across all runs, most first."""
-    return [team_entry(row) for row in standings.team_leaderboard(session, None, limit)]
+    return standings.team_leaderboard(session, None, limit)
 
 
-@router.get("/users/{username}", response_model=UserOut, responses={404: {"description": "unknown or hidden"}})
+@router.get("/users/{username}", response_model=standings.UserTotals,
+            responses={404: {"description": "unknown or hidden"}})
 def user(session: SessionDep, username: Annotated[str, Path(max_length=100)]):
     """A user's public totals across runs and per run; 404 alike for unknown users and hidden ones."""
-    return user_out(standings.user_totals(session, username))
+    return standings.user_totals(session, username)

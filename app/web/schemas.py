@@ -1,7 +1,7 @@
 """Response schemas of the public JSON API (a contract: fields may be added, never renamed).
 
-Where a domain module's own model has the answer's shape, the API returns that model instead (plans.PublicPlan);
-the same contract holds for it.
+Where a domain module's own model has the answer's shape, the API returns that model instead (plans.PublicPlan,
+ledger.LeaderboardEntry, standings.TeamEntry and UserTotals); the same contract holds for them.
 """
 
 from __future__ import annotations
@@ -37,46 +37,6 @@ class SwarmOut(BaseModel):
         if value is None:
             return None
         return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).isoformat()
-
-
-class LeaderboardEntry(BaseModel):
-    """A user on a board: ``samples`` credited, ``held_samples`` held back for review, ``runtime_seconds`` their
-    peers spent in counted epochs, ``team`` they represent (or null), ``last_seen`` when an epoch was recorded."""
-
-    username: str
-    samples: int
-    runtime_seconds: float
-    peers: int
-    held_samples: int = 0
-    team: Optional[str] = None
-    last_seen: Optional[datetime] = None
-
-
-class TotalsOut(BaseModel):
-    samples: int
-    held_samples: int
-    runtime_seconds: float
-    peers: int
-    last_seen: Optional[datetime]
-
-
-class TeamEntry(TotalsOut):
-    """A team on a board: the sums of its public members (``members`` of them credited or held)."""
-
-    team: str
-    members: int
-
-
-class RunTotalsOut(TotalsOut):
-    run: str
-
-
-class UserOut(TotalsOut):
-    """A user's public totals across runs, and per run (oldest run first)."""
-
-    username: str
-    team: Optional[str]
-    runs: list[RunTotalsOut]
 
 
 class ProbeReceipt(BaseModel):

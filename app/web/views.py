@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict
 from typing import Optional
 
 from sqlalchemy.orm import Session
 
-from app.credit.ledger import LeaderboardRow
 from app.models import Run, Snapshot
 from app.runs.snapshots import latest_snapshot
-from app.credit.standings import TeamRow, UserTotals
-from app.web.schemas import LeaderboardEntry, RunOut, RunTotalsOut, SwarmOut, TeamEntry, UserOut
+from app.web.schemas import RunOut, SwarmOut
 
 
 def run_out(run: Run) -> RunOut:
@@ -40,17 +37,4 @@ def swarm_out(run: Run, snapshot: Optional[Snapshot]) -> SwarmOut:
 
 def current_swarm(session: Session, run: Run) -> SwarmOut:
     return swarm_out(run, latest_snapshot(session, run))
-
-
-def leaderboard_entry(row: LeaderboardRow) -> LeaderboardEntry:
-    return LeaderboardEntry(**asdict(row))
-
-
-def team_entry(row: TeamRow) -> TeamEntry:
-    return TeamEntry(team=row.team, members=row.members, **asdict(row.totals))
-
-
-def user_out(found: UserTotals) -> UserOut:
-    runs = [RunTotalsOut(run=slug, **asdict(totals)) for slug, totals in found.runs]
-    return UserOut(username=found.username, team=found.team, runs=runs, **asdict(found.totals))
 
