@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+
+import pytest
 
 from dedloc_worker.join import CREDENTIAL_ENV
 
@@ -55,7 +58,28 @@ def test_create_run_refuses_a_bad_slug(tmp_path):
 def test_create_run_refuses_bad_optimizer_options(tmp_path):
     done = run("-m", "app.cli", "create-run", "ok", "--optimizer", '{"lr": -1}', env={"DEDLOC_DATA_DIR": str(tmp_path)})
     assert done.returncode == 2
-    assert "bad optimizer options: lr" in one_line(done.stderr)
+    assert "optimizer.lr: Input should be greater than 0" in one_line(done.stderr)
+
+
+@pytest.mark.parametrize("options, files, named", [
+    ({"model_type": "albrt"}, {"train.txt": "some text\n"}, "task_options.model.model_type: 'albrt' cannot be"),
+    ({"model_type": "albert", "max_position_embeddings": 32}, {"train.txt": "text\n"}, "task_options.sequence_length"),
+    ({"model_type": "albert"}, {"train.jsonl": '{"body": "no text column"}\n'}, "task_options.data.text_column"),
+])
+def test_create_run_names_the_bad_task_option_in_one_line(tmp_path, options, files, named):
+    paths = []
+    for name, body in files.items():
+        (tmp_path / name).write_text(body)
+        paths += ["--file", str(tmp_path / name)]
+    task = {"model": options, "data": {"files": list(files)}, "tokenizer": {"train": {"vocab_size": 200}},
+            "sequence_length": 64}
+    done = run("-m", "app.cli", "create-run", "bad", "--task", "masked-lm", "--task-options", json.dumps(task),
+               *paths, env={"DEDLOC_DATA_DIR": str(tmp_path / "data")})
+    assert done.returncode == 2 and named in one_line(done.stderr), done.stderr
+    # Nothing of the refused run stays: the slug is free, no file is kept.
+    assert not (tmp_path / "data" / "runs" / "bad").exists() or not any((tmp_path / "data" / "runs" / "bad").rglob("*.*"))
+    control = run("-m", "app.cli", "create-run", "bad", env={"DEDLOC_DATA_DIR": str(tmp_path / "data")})
+    assert control.returncode == 0, control.stderr
 
 
 def test_create_run_is_idempotent_when_asked(tmp_path):

@@ -1,15 +1,23 @@
-"""``dedloc demo``: portal, coordinator and local workers on loopback, until Ctrl-C ends them all."""
+"""``dedloc demo``: portal, coordinator and local workers on loopback, until Ctrl-C ends them all.
+
+Its run is the paper's sahajBERT scaled to a CPU: a small ALBERT masked-LM, a tokenizer the portal trains on the
+run's text at creation, LAMB, checkpoints every few epochs with an evaluation loss on held-out text. The text is
+Python's own documentation (``pydoc_data.topics``), which every Python ships, so the demo runs offline."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 import sys
 import threading
 import time
 
+from pathlib import Path
+
 import httpx
 
+from dedloc_common.contract import LOOPBACK_OPTIMIZER
 from dedloc_worker.join import CREDENTIAL_ENV
 
 from app.core.config import Settings
@@ -18,6 +26,37 @@ from app.core.processes import spawn, stop
 
 DEMO_RUN = "demo"
 VOLUNTEERS = ["alice", "bob", "carol", "dave"]
+# About 0.3 M parameters: ~200 samples/s per CPU thread, so 2 workers take a step every couple of seconds.
+DEMO_MODEL = {"model_type": "albert", "embedding_size": 64, "hidden_size": 128, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "intermediate_size": 256, "max_position_embeddings": 128}
+DEMO_TASK = {"model": DEMO_MODEL, "data": {"files": ["train.txt"], "eval_files": ["eval.txt"]},
+             "tokenizer": {"train": {"vocab_size": 4000}}, "sequence_length": 64, "eval_samples": 128}
+DEMO_OPTIMIZER = {**LOOPBACK_OPTIMIZER, "name": "lamb", "lr": 0.01, "weight_decay": 0.01, "clip_grad_norm": 1.0}
+DEMO_CHECKPOINTS = {"every_epochs": 5, "keep": 3}
+HELD_OUT = 0.1  # the last tenth of the documentation's topics (by name) is the evaluation text
+
+
+def write_corpus(folder: Path) -> tuple[Path, Path]:
+    """Python's documentation as training and held-out text, one paragraph per line."""
+    from pydoc_data.topics import topics
+
+    folder.mkdir(parents=True, exist_ok=True)
+    names = sorted(topics)
+    cut = int(len(names) * (1 - HELD_OUT))
+    paths = []
+    for part, file in ((names[:cut], "train.txt"), (names[cut:], "eval.txt")):
+        paragraphs = (" ".join(p.split()) for name in part for p in topics[name].split("\n\n"))
+        (folder / file).write_text("\n".join(p for p in paragraphs if p) + "\n")
+        paths.append(folder / file)
+    return paths[0], paths[1]
+
+
+def create_command(py: str, folder: Path) -> list[str]:
+    train, held_out = write_corpus(folder)
+    return [py, "-m", "app.cli", "create-run", DEMO_RUN, "--title", "Demo: a small ALBERT learns Python's docs",
+            "--task", "masked-lm", "--task-options", json.dumps(DEMO_TASK), "--file", str(train),
+            "--file", str(held_out), "--target-batch-size", "256", "--batch-size", "16",
+            "--optimizer", json.dumps(DEMO_OPTIMIZER), "--checkpoints", json.dumps(DEMO_CHECKPOINTS), "--if-missing"]
 
 
 def check_alive(started) -> None:
@@ -64,19 +103,22 @@ def run_demo(settings: Settings, workers: int) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: done.set())
     try:
-        create = spawn([py, "-m", "app.cli", "create-run", DEMO_RUN, "--title", "Demo: a tiny language model",
-                        "--if-missing"])
+        create = spawn(create_command(py, Path(settings.data_dir) / "demo-corpus"))
         if create.wait() != 0:
             raise DedlocError("could not create the demo run")
         started.append(spawn([py, "-m", "app.cli", "serve"]))
         started.append(spawn([py, "-m", "app.cli", "coordinator", "--run", DEMO_RUN]))
         wait_until(lambda: httpx.get(f"{url}/api/v1/runs/{DEMO_RUN}/join").json()["initial_peers"], 60,
                    "the portal and the coordinator", started, done)
-        for name in VOLUNTEERS[:workers] if not done.is_set() else []:
-            credential = issue_credential(py, name)
-            started.append(spawn([py, "-m", "dedloc_worker", "join", url, "--run", DEMO_RUN,
-                                  "--listen", "/ip4/127.0.0.1/tcp/0"], env={CREDENTIAL_ENV: credential}))
         print(f"\n  dedloc demo is running: open {url}/runs/{DEMO_RUN}\n  Ctrl-C stops everything.\n", flush=True)
+        for index, name in enumerate(VOLUNTEERS[:workers] if not done.is_set() else []):
+            credential = issue_credential(py, name)
+            # One thread each: the local workers share this machine's cores with the portal and the coordinator.
+            started.append(spawn([py, "-m", "dedloc_worker", "join", url, "--run", DEMO_RUN, "--threads", "1",
+                                  "--listen", "/ip4/127.0.0.1/tcp/0"], env={CREDENTIAL_ENV: credential}))
+            if index == 0:  # one founder takes the first step; the others load its state (docs/hivemind.md)
+                wait_until(lambda: httpx.get(f"{url}/api/v1/runs/{DEMO_RUN}/swarm").json()["epoch"] >= 1, 120,
+                           "the first training step", started, done)
         while not done.wait(1.0):
             check_alive(started)
     finally:

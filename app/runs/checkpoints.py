@@ -33,7 +33,7 @@ def latest(session: Session, run: Run) -> Optional[Checkpoint]:
 
 def describe(row: Checkpoint, slug: str, base_url: str = "") -> CheckpointInfo:
     return CheckpointInfo(epoch=row.epoch, samples=row.samples, created_at=as_utc(row.created_at),
-                          eval_loss=row.eval_loss, sha256=row.sha256, size=row.size,
+                          eval_loss=row.eval_loss, sha256=row.sha256, size=row.size, final=row.final,
                           url=f"{base_url}{API_PREFIX}/runs/{slug}/checkpoints/{row.epoch}.tar")
 
 

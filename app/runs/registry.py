@@ -188,3 +188,24 @@ def create_run_with_files(session: Session, data_dir, uploads: dict[str, Any], *
         files.remove_all(data_dir, run.slug)
         raise
     return run
+
+
+def organizers(session: Session, run: Run) -> list[str]:
+    """The run's own organizers (its creator and whom they added), besides the portal-wide DEDLOC_ORGANIZERS."""
+    from app.models import RunOrganizer
+
+    return sorted(session.scalars(select(RunOrganizer.username).where(RunOrganizer.run_id == run.id)))
+
+
+def may_organize(session: Session, settings, run: Run, user) -> bool:
+    from app.identity.accounts import is_organizer
+
+    return user is not None and (is_organizer(settings, user) or user.username in organizers(session, run))
+
+
+def add_organizer(session: Session, run: Run, username: str) -> None:
+    from app.models import RunOrganizer
+
+    if username not in organizers(session, run):
+        session.add(RunOrganizer(run_id=run.id, username=username))
+        session.commit()

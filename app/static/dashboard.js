@@ -69,6 +69,15 @@
       Object.values(charts).forEach((c) => c.update());
     }
   });
+  // Evaluation loss by checkpoint: the checkpointer's numbers, as the API lists them (newest first).
+  const evalChart = chart("chart-eval", "evaluation loss", "#9333ea");
+  fetch(`/api/v1/runs/${slug}/checkpoints`).then((r) => r.json()).then((list) => {
+    list.filter((c) => c.eval_loss !== null).reverse().forEach((c) => {
+      evalChart.data.labels.push(`epoch ${c.epoch}`);
+      evalChart.data.datasets[0].data.push(c.eval_loss);
+    });
+    evalChart.update();
+  });
   source.addEventListener("leaders", swap("leaders-live"));
   source.addEventListener("plan", swap("plan-live"));
 })();

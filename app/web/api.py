@@ -5,12 +5,14 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Optional
 
-from dedloc_common.contract import API_PREFIX, JoinInfo
-from fastapi import APIRouter, Path, Query
+from dedloc_common.contract import API_PREFIX, CheckpointInfo, JoinInfo, RunFile
+from dedloc_common.tasks import FILE_NAME
+from fastapi import APIRouter, Path, Query, Request
+from fastapi.responses import FileResponse
 
 from app.credit import ledger, standings
 
-from app.runs import plans, registry, snapshots
+from app.runs import checkpoints, files, plans, registry, snapshots
 from app.web.deps import RunDep, SessionDep, SettingsDep
 from app.web.schemas import RunOut, SwarmOut
 from app.web.views import current_swarm, run_out, swarm_out
@@ -52,8 +54,8 @@ def history(
 @router.get("/runs/{slug}/plan", response_model=plans.PublicPlan,
             responses={404: {"description": "unknown run, or no plan published yet"}})
 def plan(run: RunDep, session: SessionDep):
-    """The current averaging plan: each peer's role, share of the vector and measured Mbit/s (a PeerID
-    fingerprint, no keys or addresses), and the predicted, measured and lower-bound round times."""
+    """The current averaging plan: each peer's role, share of the vector and measured Mbit/s (a short
+    fingerprint of its key, no keys or addresses), and the predicted, measured and lower-bound round times."""
     return plans.published_plan(session, run)
 
 
@@ -89,3 +91,32 @@ def teams(session: SessionDep, limit: Limit = 100):
 def user(session: SessionDep, username: Annotated[str, Path(max_length=100)]):
     """A user's public totals across runs and per run; 404 alike for unknown users and hidden ones."""
     return standings.user_totals(session, username)
+
+
+@router.get("/runs/{slug}/files", response_model=list[RunFile])
+def run_files(run: RunDep, settings: SettingsDep):
+    """The files the run serves its workers: the organizer's data and the tokenizer trained at creation."""
+    return files.listed(settings.data_dir, run.slug)
+
+
+@router.get("/runs/{slug}/files/{name}", response_class=FileResponse, responses={404: {"description": "no such file"}})
+def run_file(run: RunDep, settings: SettingsDep, name: Annotated[str, Path(pattern=FILE_NAME)]):
+    return FileResponse(files.path_of(settings.data_dir, run.slug, name), media_type="application/octet-stream",
+                        filename=name)
+
+
+@router.get("/runs/{slug}/checkpoints", response_model=list[CheckpointInfo])
+def list_checkpoints(run: RunDep, session: SessionDep, request: Request):
+    """The run's stored checkpoints, newest first; ``url`` downloads one as a tar archive."""
+    base = str(request.base_url).rstrip("/")
+    return [checkpoints.describe(row, run.slug, base) for row in checkpoints.newest_first(session, run)]
+
+
+@router.get("/runs/{slug}/checkpoints/{epoch}.tar", response_class=FileResponse,
+            responses={404: {"description": "no checkpoint at that epoch"}})
+def download_checkpoint(run: RunDep, session: SessionDep, settings: SettingsDep,
+                        epoch: Annotated[int, Path(ge=0)]):
+    """A checkpoint as one tar archive: config.json, model.safetensors, tokenizer files (they load with
+    ``from_pretrained`` after extraction), and the training state a resuming swarm starts from."""
+    path = checkpoints.archive_of(session, settings.data_dir, run, epoch)
+    return FileResponse(path, media_type="application/x-tar", filename=f"{run.slug}-epoch-{epoch}.tar")

@@ -10,7 +10,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from app.credit import review
 
 from app.authority import tokens
-from app.web.identity import CsrfChecked, CurrentUser, is_organizer
+from app.runs import registry
+from app.web.identity import CsrfChecked, CurrentUser
 from app.identity.models import User
 from app.core.errors import Forbidden
 from app.models import Run
@@ -20,9 +21,10 @@ router = APIRouter(include_in_schema=False)
 Username = Annotated[str, Form(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
 
 
-def organizer(user: CurrentUser, settings: SettingsDep) -> User:
-    if not is_organizer(settings, user):
-        raise Forbidden(f"{user.username} is not an organizer of this portal (DEDLOC_ORGANIZERS)")
+def organizer(user: CurrentUser, settings: SettingsDep, run: RunDep, session: SessionDep) -> User:
+    if not registry.may_organize(session, settings, run, user):
+        raise Forbidden(f"{user.username} is not an organizer of run {run.slug!r} (its creator and whom they add) "
+                        "nor of this portal (DEDLOC_ORGANIZERS)")
     return user
 
 

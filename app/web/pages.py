@@ -7,8 +7,10 @@ from fastapi.responses import HTMLResponse
 
 from app.credit import ledger, standings
 
-from app.runs import plans, registry
-from app.web.deps import RunDep, SessionDep
+from app.runs import checkpoints, plans, registry
+from app.runs.progress import run_progress
+from app.web.deps import RunDep, SessionDep, SettingsDep
+from app.web.identity import OptionalUser
 from app.web.views import current_swarm
 
 router = APIRouter(default_response_class=HTMLResponse, include_in_schema=False)
@@ -25,9 +27,13 @@ def home(request: Request, session: SessionDep):
 
 
 @router.get("/runs/{slug}")
-def dashboard(request: Request, run: RunDep, session: SessionDep):
+def dashboard(request: Request, run: RunDep, session: SessionDep, settings: SettingsDep, user: OptionalUser):
+    base = str(request.base_url).rstrip("/")
+    saved = [checkpoints.describe(row, run.slug, base) for row in checkpoints.newest_first(session, run)]
     return render(request, "dashboard.html", run=run, swarm=current_swarm(session, run),
-                  leaders=ledger.leaderboard(session, run, 10), plan=plans.public_plan(session, run))
+                  leaders=ledger.leaderboard(session, run, 10), plan=plans.public_plan(session, run),
+                  checkpoints=saved, progress=run_progress(session, run),
+                  can_organize=registry.may_organize(session, settings, run, user))
 
 
 @router.get("/runs/{slug}/leaderboard")

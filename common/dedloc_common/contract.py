@@ -118,6 +118,7 @@ class CheckpointInfo(BaseModel):
     sha256: str = Field(description="of the archive")
     size: int = Field(ge=0, description="bytes of the archive")
     url: str = Field(description="a tar archive whose files load with from_pretrained after extraction")
+    final: bool = Field(False, description="saved when the run reached its target: the trained model")
 
 
 class JoinInfo(BaseModel):

@@ -129,7 +129,7 @@ class Deployment:
         proc = spawn(
             [sys.executable, *script, "join", self.url, "--run", self.slug,
              "--listen", "/ip4/127.0.0.1/tcp/0", "--report", str(self.report_path(username)),
-             "--state-out", str(self.workdir / f"{username}.pt"), *extra],
+             "--state-out", str(self.workdir / f"{username}.pt"), "--threads", "1", *extra],
             log=self.logs / f"{username}.log", env={**self.env, CREDENTIAL_ENV: self.credential(username)},
             cwd=self.workdir,
         )

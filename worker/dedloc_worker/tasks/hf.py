@@ -28,6 +28,7 @@ class HFTask:
     kind = ""
 
     def __init__(self, options: dict, seed: int, files: Optional[Dict[str, Path]] = None, data_seed: int = 0):
+        quiet()
         try:
             self.options = spec.validate_task(self.kind, options)
         except spec.TaskOptionError as e:
@@ -161,7 +162,7 @@ class TextTask(HFTask):
             text = row[column]
             if not text or not text.strip():
                 continue
-            buffer += self.tokenizer(text, add_special_tokens=False)["input_ids"] + ([sep] if sep is not None else [])
+            buffer += self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + ([sep] if sep is not None else [])
             while len(buffer) >= inner:
                 window, buffer = buffer[:inner], buffer[inner:]
                 yield ([cls] if cls is not None else []) + window + ([sep] if sep is not None else [])
@@ -233,6 +234,17 @@ class ImageClassification(HFTask):
             raise ConfigError(f"task_options.data: the images have no column {e}") from None
         values = torch.from_numpy(np.stack(pixels)).permute(0, 3, 1, 2) / 127.5 - 1.0
         return {"pixel_values": values, "labels": torch.tensor(labels)}
+
+
+def quiet() -> None:
+    """No progress bars or advice from the libraries: the worker's terminal shows its own progress line."""
+    import datasets
+    import transformers
+
+    datasets.disable_progress_bars()
+    datasets.logging.set_verbosity_error()
+    transformers.utils.logging.set_verbosity_error()
+    transformers.utils.logging.disable_progress_bar()
 
 
 def build(auto_class, config: dict, pretrained: Optional[str], seed: int):
