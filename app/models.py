@@ -230,8 +230,9 @@ class AveragingPlan(Base):
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow, index=True)
-    # One entry per peer of the plan: {"peer_id", "username", "share", "role" ("aggregator", "client" or "aux"),
-    # "upload_bps", "download_bps"}; bandwidths in bytes per second, as the workers measured them.
+    # One entry per peer of the plan: {"peer_id", "peer_key", "username", "share", "role" ("aggregator", "client"
+    # or "aux"), "upload_bps", "download_bps"}; bandwidths in bytes per second, as the workers measured them.
+    # Plans stored before entries carried "peer_key" lack it (plans.plan_fingerprint falls back to the PeerID).
     peers: Mapped[list[dict[str, Any]]] = mapped_column(JSON)
     vector_bytes: Mapped[int] = mapped_column(BigInteger)
     predicted_seconds: Mapped[float] = mapped_column(Float)

@@ -13,6 +13,7 @@ from fastapi.testclient import TestClient
 from starlette.requests import Request
 
 from app.runs import plans, registry
+from app.runs.fingerprints import fingerprint
 from app.identity.accounts import issue_credential, sign_in_locally
 from app.identity.models import User
 from app.core.config import Settings
@@ -20,6 +21,7 @@ from app.core.errors import TooLarge
 from app.models import AveragingPlan
 from app.web.link_probe import count_body
 from app.web.main import create_app
+from tests.support.factories import ALICE_KEY
 
 # Base58 PeerIDs as hivemind prints them; each is searched for whole in every answer.
 ALICE_PEER = "12D3KooWGzh9Uj6ytb4DLwCVWcEq5S2Nw1P8yAJdbSx7JmvXyG3a"
@@ -92,6 +94,26 @@ def test_the_plan_api_gives_roles_shares_and_mbit_per_second(client):
     assert (plan["predicted_seconds"], plan["measured_seconds"], plan["lower_bound_seconds"]) == (1.25, 1.5, 0.8)
     assert plan["reason"] == "a peer joined" and plan["vector_bytes"] == 40_000_000
     assert datetime.fromisoformat(plan["created_at"]) == PLANNED_AT
+
+
+def test_a_plan_naming_peer_keys_labels_each_peer_as_its_owners_page_does(sessions, database_url, tmp_path):
+    # Entries the coordinator writes now carry the peer key: the plan shows its fingerprint, never the key or the
+    # PeerID, and an entry of an older plan without one still reads (by its PeerID's tail).
+    alice_key, bob_key = ALICE_KEY, "ef56ab78" + "9" * 56  # alice's as on her page (test_contribution_pages)
+    with sessions() as session:
+        demo = registry.create_run(session, slug="demo", title="Demo run")
+        row = plan_row(demo, 1.25, PLANNED_AT)
+        row.peers = [{**peer, "peer_key": key} for peer, key in zip(row.peers, ["", alice_key, bob_key])]
+        session.add(row)
+        session.commit()
+    with TestClient(create_app(Settings(database_url=database_url, data_dir=tmp_path))) as client:
+        answer = client.get("/api/v1/runs/demo/plan")
+        page = client.get("/runs/demo").text
+    assert [p["fingerprint"] for p in answer.json()["peers"]] == [
+        fingerprint(alice_key), fingerprint(bob_key), "…" + CAROL_PEER[-6:]]
+    assert fingerprint(alice_key) == "ab12cd34" and f"<code>{fingerprint(alice_key)}</code>" in page
+    for secret in (alice_key, bob_key, ALICE_PEER, BOB_AUX_PEER, alice_key[:9]):
+        assert secret not in answer.text and secret not in page
 
 
 def test_the_plan_shows_no_full_peer_id_and_no_hidden_name(client):

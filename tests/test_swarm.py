@@ -8,6 +8,7 @@ import time
 import pytest
 import torch
 
+from app.runs.fingerprints import fingerprint
 from tests.support.actors import LIAR, WITNESS
 from tests.support.harness import wait_for
 
@@ -118,6 +119,10 @@ def test_three_workers_two_of_them_liars_follow_the_plan_average_exactly_and_are
     assert {"alice": "aggregator", "bob": "aggregator", "carol": "aggregator"} in roles, roles
     plan = deployment.get(f"/api/v1/runs/{deployment.slug}/plan")
     assert {peer["username"] for peer in plan["peers"]} <= set(workers), plan
+    # each stored entry names the peer key, and the public plan labels peers by its fingerprint only
+    keys = {peer["peer_key"] for stored in deployment.plans() for peer in stored}
+    assert all(len(key) == 64 for key in keys), keys
+    assert {peer["fingerprint"] for peer in plan["peers"]} <= {fingerprint(key) for key in keys}, plan
     assert abs(sum(peer["share"] for peer in plan["peers"]) - 1) < 1e-6 and plan["predicted_seconds"] > 0
     # Rounds under the plan averaged exactly: every result is the mean of the inputs weighted as hivemind was told
     # (carol's weight inflated: a lie in the weight is still averaged exactly).

@@ -47,6 +47,7 @@ def attestation_floor(peers: list[PeerProfile], vector_bytes: float) -> float:
 class LinkSeen:
     """A peer online now, as its owner's token and its signed metrics record describe it."""
 
+    peer_key: str
     peer_id: str
     username: str
     link: LinkReport
@@ -105,9 +106,11 @@ class PlanKeeper:
         row = AveragingPlan(
             run_id=run.id, vector_bytes=self.vector_bytes, predicted_seconds=plan.predicted_seconds,
             lower_bound_seconds=plan.lower_bound_seconds, reason=reason[:200],
-            peers=[dict(peer_id=peer.peer_id, username=peer.username, share=plan.shares.get(peer.peer_id, 0.0),
-                        role=role_of(peer.link), upload_bps=peer.link.upload_bps,
-                        download_bps=peer.link.download_bps) for peer in peers if peer.peer_id in plan.shares],
+            # peer_key: the plan's public view labels each peer with its key's fingerprint, as its owner's page does
+            peers=[dict(peer_id=peer.peer_id, peer_key=peer.peer_key, username=peer.username,
+                        share=plan.shares.get(peer.peer_id, 0.0), role=role_of(peer.link),
+                        upload_bps=peer.link.upload_bps, download_bps=peer.link.download_bps)
+                   for peer in peers if peer.peer_id in plan.shares],
         )
         session.add(row)
         session.flush()

@@ -14,15 +14,10 @@ from app.identity.models import User
 from app.core.errors import Invalid
 from app.core.clock import as_utc
 from app.models import Contribution, Peer, Run
+from app.runs.fingerprints import fingerprint
 
-# Enough to tell one's machines apart, too little to name a key: pages show no more.
-FINGERPRINT_CHARS = 8
 # The page lists this many of the newest (peer, epoch) rows; totals and held epochs cover all of them.
 EPOCHS_SHOWN = 500
-
-
-def fingerprint(peer_key: str) -> str:
-    return peer_key[:FINGERPRINT_CHARS]
 
 
 @dataclass(frozen=True)

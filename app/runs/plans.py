@@ -18,15 +18,18 @@ from app.identity.models import User
 from app.core.errors import NotFound
 from app.core.clock import as_utc
 from app.models import AveragingPlan, Run
+from app.runs.fingerprints import fingerprint
 
 HIDDEN_VOLUNTEER = "hidden volunteer"
 NO_PLAN = "no averaging plan was published for this run yet: the coordinator plans once peers report their links"
-# Enough to tell a handful of peers apart on a page, far too little to dial or impersonate one.
-FINGERPRINT_CHARS = 6
+# Plans stored before entries carried "peer_key" label a peer by its PeerID's last characters instead.
+PEER_ID_CHARS = 6
 
 
 class PlanPeer(BaseModel):
-    """A peer of the averaging plan: ``fingerprint`` the last characters of its PeerID (never the whole ID),
+    """A peer of the averaging plan: ``fingerprint`` the first characters of its peer key, the label its owner's
+    page shows too (never the whole key; "…" and the PeerID's last characters in plans stored before plans named
+    peer keys),
     ``username`` its owner ("hidden volunteer" for users hidden from public boards), ``role`` "aggregator",
     "client" (accepts no connections, aggregates nothing) or "aux" (aggregates, trains nothing), ``share`` of the
     gradient vector it aggregates (a fraction, 0 to 1), and its measured bandwidth in Mbit/s."""
@@ -90,7 +93,7 @@ def plan_peer(peer: dict[str, Any], hidden: set[str]) -> PlanPeer:
     # .get with defaults: rows outlive coordinator versions, and an odd entry must not take the dashboard down.
     username = str(peer.get("username") or "")
     return PlanPeer(
-        fingerprint=fingerprint(str(peer.get("peer_id") or "")),
+        fingerprint=plan_fingerprint(peer),
         username=HIDDEN_VOLUNTEER if username in hidden else username,
         role=str(peer.get("role") or "client"),
         share=float(peer.get("share") or 0.0),
@@ -99,8 +102,11 @@ def plan_peer(peer: dict[str, Any], hidden: set[str]) -> PlanPeer:
     )
 
 
-def fingerprint(peer_id: str) -> str:
-    return "…" + peer_id[-FINGERPRINT_CHARS:]
+def plan_fingerprint(peer: dict[str, Any]) -> str:
+    """The peer key's fingerprint; for an entry written before entries carried the key, its PeerID's tail."""
+    if peer.get("peer_key"):
+        return fingerprint(str(peer["peer_key"]))
+    return "…" + str(peer.get("peer_id") or "")[-PEER_ID_CHARS:]
 
 
 def to_mbps(bytes_per_second: Any) -> float:
