@@ -42,7 +42,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.feed = live.LiveFeed(app.state.sessions, app.state.templates, settings)
     app.state.registry = metrics.make_registry(app.state.sessions)
     app.mount("/static", StaticFiles(directory=static_dir()), name="static")
-    # identity (app/auth): signed session cookies, the OpenID Connect client, sign-in redirects, form tokens
+    # identity (app/identity/, app/web/auth_routes.py): signed session cookies, the OpenID Connect client, sign-in
+    # redirects, form tokens
     app.add_middleware(auth_routes.SessionCookies, secret_key=secret_key(settings))
     app.state.oauth = make_oauth(settings)
     app.state.templates.env.globals["csrf_token"] = csrf_token

@@ -3,7 +3,8 @@
 The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled:
 1. ``client_mode`` is passed to the Optimizer explicitly, always (``create_optimizer``).
 2. Gradient-averager options go through ``grad_averager_factory``, not ``averager_opts`` (``create_optimizer``).
-3. Child processes outliving a killed parent: the launcher ends the whole process group (``dedloc_worker.processes``).
+3. Child processes outliving their parent: the worker ends every process it started as it exits
+   (``dedloc_common.cleanup.end_descendants``, in ``join.run_join``).
 4. Exceptions in the training loop: ``trainer.train`` shuts the optimizer and the DHT down in ``finally``.
 5. Signed records need the validators registered on the reader too (``records.add_record_validators``).
 6. A group whose senders all weigh 0 (an auxiliary peer and a trainer that just reloaded state) averages to NaN:
