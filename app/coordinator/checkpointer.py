@@ -133,6 +133,10 @@ class Checkpointer(threading.Thread):
         print(f"checkpoint of run {self.config.slug!r} at epoch {epoch}{loss}{' (final)' if final else ''}",
               flush=True)
         self.on_saved(epoch, final)
+        if self.options.hub_repo:  # never raises: a failed push is one line, the checkpoint stays stored
+            from app.coordinator.hub import push_stored
+
+            push_stored(self.config, self.options, folder / name, self.sessions, epoch=epoch, eval_loss=eval_loss)
         return epoch
 
     def _run(self, session):
