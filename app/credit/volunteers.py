@@ -1,4 +1,4 @@
-"""A volunteer's own record, for their "My contribution" page: their peers, their credit per epoch, every epoch
+"""A volunteer's own history, for their "My contribution" page: their peers, their credit per epoch, every epoch
 held back and why, and their public settings (hide from boards, represent a team)."""
 
 from __future__ import annotations
