@@ -49,6 +49,15 @@ def test_worker_without_a_coordinator_gives_up_with_a_reason(deployment):
     assert "has no coordinator online" in done.stderr.splitlines()[-1]
 
 
+def test_worker_given_a_task_it_cannot_load_says_so_in_one_line(deployment):
+    assert deployment.cli("create-run", deployment.slug, "--task", "no_such_plugin:Task").returncode == 0
+    deployment.start_portal()
+    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", deployment.slug, "--wait", "1",
+               env={CREDENTIAL_ENV: deployment.credential("alice")})
+    assert done.returncode == 2
+    assert "cannot load task 'no_such_plugin:Task'" in one_line(done.stderr)
+
+
 def test_create_run_refuses_a_bad_slug(tmp_path):
     done = run("-m", "app.cli", "create-run", "Not A Slug", env={"DEDLOC_DATA_DIR": str(tmp_path)})
     assert done.returncode == 2

@@ -24,7 +24,8 @@ from app.runs import checkpoints as store
 from app.runs import files
 
 logger = logging.getLogger("dedloc.checkpointer")
-DOWNLOAD_TIMEOUT = 120.0  # seconds for one state download from a worker
+DOWNLOAD_TIMEOUT = 300.0  # seconds for one state download from a worker
+CHUNK_TIMEOUT = 30.0  # seconds between two parts of it
 
 
 class Checkpointer(threading.Thread):
@@ -46,7 +47,8 @@ class Checkpointer(threading.Thread):
             optimizer=inner_optimizer(opt), scheduler=scheduler_factory(opt),
             # As hivemind.Optimizer builds the workers' (offloaded optimizer): the state has the same tensors.
             offload_optimizer=True, custom_gradients=True, allow_state_sharing=False,
-            min_matchmaking_time=opt.matchmaking_time, request_timeout=opt.matchmaking_time / 2, start=True,
+            # A download's chunks may take a while on a slow link; hivemind's default would be the request timeout.
+            next_chunk_timeout=CHUNK_TIMEOUT, start=True,
         )
         with sessions() as session:
             newest = store.latest(session, self._run(session))

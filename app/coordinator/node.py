@@ -13,11 +13,11 @@ from pathlib import Path
 import hivemind
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
-from hivemind.utils.crypto import RSAPrivateKey
 from dedloc_common.cleanup import end_descendants
 from dedloc_worker.admission import (AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, guard_handlers,
                                     to_access_token)
 from dedloc_worker.errors import WorkerError
+from dedloc_worker.identity import persistent_key
 from dedloc_worker.records import add_record_validators, publish_denylist, publish_plan, read_metrics, read_progress
 from dedloc_worker.swarm import reach_peers
 from sqlalchemy.exc import SQLAlchemyError
@@ -69,7 +69,8 @@ class CoordinatorNode:
 
     def serve(self, stop: threading.Event) -> None:
         folder = Path(tempfile.mkdtemp(prefix="dedloc-coordinator-"))
-        key = RSAPrivateKey.process_wide()
+        # Tokens for the identity's own key: workers admit a PeerID by the key its token names (the checkpointer).
+        key = persistent_key(self.identity)
         public_key = key.get_public_key().to_bytes()
         with self.sessions() as session:
             run = registry.get_run(session, self.run.slug)

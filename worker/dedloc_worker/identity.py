@@ -26,3 +26,22 @@ class PeerIdentity:
         descriptor = os.open(self.identity_path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
         with os.fdopen(descriptor, "wb") as file:
             file.write(encoded.SerializeToString())
+
+
+def persistent_key(path: Path) -> RSAPrivateKey:
+    """The RSA key of a libp2p identity file (created, mode 0600, when missing), made this process's key: a peer
+    that keeps its PeerID across restarts (the coordinator) then holds tokens for the same key its PeerID names,
+    which is what workers admit on their averager's handlers."""
+    if path.exists():
+        encoded = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+        key = RSAPrivateKey.__new__(RSAPrivateKey)
+        key.__setstate__({"_private_key": encoded.data})  # DER, as hivemind's own identity files hold it
+    else:
+        key = RSAPrivateKey()
+        encoded = crypto_pb2.PrivateKey(key_type=crypto_pb2.RSA, data=key.to_bytes())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(descriptor, "wb") as file:
+            file.write(encoded.SerializeToString())
+    RSAPrivateKey._process_wide_key = key
+    return key

@@ -66,12 +66,13 @@ def _join(args, stop, folder: Path, placement):
     refresh = lambda: request_peer_token(args.portal, args.run, credential, identity.public_key)  # noqa: E731
     grant = refresh()
     deadline = time.monotonic() + args.wait
-    info = grant.join if grant.join.initial_peers else wait_for_peers(args.portal, args.run, args.wait)
-    config, username = info.config, grant.token.username
+    config, username = grant.join.config, grant.token.username
+    # The task first: a run this worker cannot train fails in one line before any wait for peers.
     files = fetch_run_files(args.portal, args.run, run_files(config.task, config.task_options))
     task = build_task(config, files, data_seed=int(identity.peer_id.encode().hex()[-8:], 16))
     if hasattr(task, "to"):
         task.to(placement.device, placement.amp)
+    info = grant.join if grant.join.initial_peers else wait_for_peers(args.portal, args.run, args.wait)
     role = " as an auxiliary peer" if args.aux else ""
     print(f"joining run {config.slug!r} as {username}{role}: task {config.task}, "
           f"global batch {config.target_batch_size} samples, on {placement.description}", flush=True)

@@ -103,18 +103,18 @@ def train(
     every_contribution: List[EpochContribution] = []
     tally = EpochTally(opt.local_epoch)
     ends = [e for e in (max_epochs, config.target_epochs) if e is not None]
-    finished = False
+    run_over = False
     try:
         while not stop.is_set():
             if config.target_epochs is not None and epoch_of(opt, aux) >= config.target_epochs:
-                finished = True
+                run_over = True
                 await_final_checkpoint(watch, stop)
                 break
             if ends and epoch_of(opt, aux) >= min(ends):
                 break
             if watch is not None and watch.state != "active":
                 if watch.state == "finished":
-                    finished = True
+                    run_over = True
                     break
                 stop.wait(watch.interval)  # paused: keep the swarm connection, train nothing
                 continue
@@ -139,7 +139,7 @@ def train(
         # This peer's averager still holds parts of the last round that partners are receiving: leaving at once
         # would fail their round and split the model. A short grace lets it deliver them.
         time.sleep(LEAVE_GRACE)
-        return TrainingResult(every_contribution, opt.local_epoch, state, finished=finished)
+        return TrainingResult(every_contribution, opt.local_epoch, state, finished=run_over)
     finally:
         opt.shutdown()
 
