@@ -20,7 +20,7 @@ from tests.support.harness import Deployment, wait_for
 pytestmark = pytest.mark.swarm
 
 SLUG = "albert"
-TARGET_EPOCHS = 9
+TARGET_EPOCHS = 32
 TASK = {"model": DEMO_MODEL, "data": {"files": ["train.txt"], "eval_files": ["eval.txt"]},
         "tokenizer": {"train": {"vocab_size": 2000}}, "sequence_length": 64, "eval_samples": 48}
 # Progress records of leavers expire in 4 s, so "every worker left" is seen soon after it happens.
@@ -36,9 +36,9 @@ def run(tmp_path_factory):
     deployment = Deployment(workdir, workdir / "logs", slug=SLUG)
     train, held_out = write_corpus(workdir / "corpus")
     created = deployment.cli("create-run", SLUG, "--task", "masked-lm", "--task-options", json.dumps(TASK),
-                             "--file", str(train), "--file", str(held_out), "--target-batch-size", "96",
+                             "--file", str(train), "--file", str(held_out), "--target-batch-size", "256",
                              "--batch-size", "16", "--optimizer", json.dumps(OPTIMIZER), "--target-epochs",
-                             str(TARGET_EPOCHS), "--checkpoints", json.dumps({"every_epochs": 2, "keep": 10}))
+                             str(TARGET_EPOCHS), "--checkpoints", json.dumps({"every_epochs": 4, "keep": 10}))
     assert created.returncode == 0, created.stderr
     deployment.start_portal()
     deployment.start_coordinator()
@@ -77,7 +77,10 @@ def test_a_swarm_trains_albert_and_a_checkpoint_loads_with_from_pretrained(run, 
     run.start_worker("alice")
     wait_for(lambda: run.swarm()["epoch"] >= 1, 180, "alice to take the first step")
     run.start_worker("bob")
-    newest = wait_for(lambda: [c for c in checkpoints(run) if c["epoch"] >= 4], 300, "a checkpoint at epoch 4")[0]
+    wait_for(lambda: run.swarm()["peers_online"] >= 2, 180, "bob to train with alice")
+    together = run.swarm()["epoch"]
+    newest = wait_for(lambda: [c for c in checkpoints(run) if c["epoch"] >= together + 4], 300,
+                      "a checkpoint both trained for")[0]
     for name in ("alice", "bob"):
         assert run.stop(name, sig=signal.SIGINT, grace=30) == 0, (run.logs / f"{name}.log").read_text()[-3000:]
 
