@@ -49,6 +49,9 @@ class Settings(BaseSettings):
     oidc_scopes: str = "openid profile"
     # Usernames that may create runs, change admission, ban and unban.
     organizers: list[str] = Field(default_factory=list)
+    # Bytes of data files one run-creation form may upload, all files together; uploads stream to disk under
+    # data_dir/uploads and are refused past this before more is read.
+    max_upload_bytes: int = Field(1 << 30, gt=0)
     # Peer tokens: lifetime (seconds), and per-account limits.
     peer_token_lifetime: float = Field(3600.0, gt=0)
     peer_token_requests_per_minute: int = Field(30, gt=0)

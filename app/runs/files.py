@@ -87,11 +87,15 @@ def texts(paths: Iterable[Path], column: str, label: str = "") -> Iterator[str]:
             else:
                 yield from (line.rstrip("\n") for line in f if line.strip())
                 continue
-            for row in rows:
-                if not isinstance(row, dict) or column not in row:
-                    raise Invalid(f"task_options.data.text_column: {Path(label or path).name} has no column "
-                                  f"{column!r}")
-                yield str(row[column])
+            try:
+                for row in rows:
+                    if not isinstance(row, dict) or column not in row:
+                        raise Invalid(f"task_options.data.text_column: {Path(label or path).name} has no column "
+                                      f"{column!r}")
+                    yield str(row[column])
+            except (ValueError, csv.Error) as e:  # a broken line: the organizer's file, not a portal fault
+                raise Invalid(f"task_options.data: {Path(label or path).name} is not well-formed {suffix[1:]} "
+                              f"({e})") from None
 
 
 def train_tokenizer(paths: list[Path], labels: list[str], column: str, options: dict) -> bytes:

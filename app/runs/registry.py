@@ -16,6 +16,9 @@ from app.core.clock import as_utc, utcnow
 from app.models import Coordinator, Run
 
 SLUG = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
+# Slugs that name portal pages under /runs/ (the new-run form), not runs.
+RESERVED_SLUGS = ("new",)
+TITLE_LENGTH = 200  # runs.title
 
 
 def create_run(
@@ -39,14 +42,16 @@ def create_run(
     With ``commit=False`` the caller commits (after storing the run's files)."""
     if not SLUG.match(slug):
         raise Invalid(f"slug {slug!r} must be lowercase letters, digits and dashes (at most 63)")
+    if slug in RESERVED_SLUGS:
+        raise Invalid(f"slug {slug!r} is the name of a portal page; choose another")
     if session.scalar(select(Run).where(Run.slug == slug)):
         raise Invalid(f"a run named {slug!r} already exists")
     if samples_per_second_ceiling <= 0:
         raise Invalid("samples_per_second_ceiling must be positive")
     if target_batch_size < batch_size or batch_size < 1:
         raise Invalid("target_batch_size must be at least batch_size, and batch_size at least 1")
-    if target_epochs is not None and target_epochs < 1:
-        raise Invalid("target_epochs must be at least 1 (or none: the run trains until its organizers end it)")
+    title = _checked_title(title)
+    _check_target_epochs(target_epochs)
     try:
         task_options = validate_task(task, task_options or {})
     except TaskOptionError as e:
@@ -72,6 +77,30 @@ def create_run(
     else:
         session.flush()
     return run
+
+
+def edit_run(session: Session, run: Run, *, title: str, target_epochs: Optional[int], optimizer: dict[str, Any],
+             checkpoints: dict[str, Any]) -> None:
+    """Change what organizers may change after creation, checked as ``create_run`` checks it (``Invalid`` naming
+    the option; then nothing changes). The coordinator reads the target at its next poll, workers the optimizer
+    options when they join, the checkpointer its options when its coordinator starts."""
+    _check_target_epochs(target_epochs)
+    values = (_checked_title(title), target_epochs, _checked(OptimizerOptions, optimizer or {}, "optimizer"),
+              _checked(CheckpointOptions, checkpoints or {}, "checkpoints"))
+    run.title, run.target_epochs, run.optimizer, run.checkpoints = values
+    session.commit()
+
+
+def _checked_title(title: str) -> str:
+    title = (title or "").strip()
+    if not 1 <= len(title) <= TITLE_LENGTH:
+        raise Invalid(f"title must be 1 to {TITLE_LENGTH} characters")
+    return title
+
+
+def _check_target_epochs(target_epochs: Optional[int]) -> None:
+    if target_epochs is not None and target_epochs < 1:
+        raise Invalid("target_epochs must be at least 1 (or none: the run trains until its organizers end it)")
 
 
 def _checked(model, values: dict[str, Any], name: str) -> dict[str, Any]:

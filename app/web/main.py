@@ -21,7 +21,7 @@ from app.identity.errors import SignInRequired
 from app.identity.oidc import make_oauth
 from app.core.secrets import secret_key
 from app.web import auth_routes
-from app.web import api, join, link_probe, live, me, metrics, organize, pages, peer_tokens, stats
+from app.web import api, join, link_probe, live, me, metrics, organize, pages, peer_tokens, run_forms, stats
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -49,8 +49,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.templates.env.globals["csrf_token"] = csrf_token
     app.add_exception_handler(SignInRequired, auth_routes.sign_in_first)
     app.include_router(auth_routes.router)
+    # run_forms before pages: /runs/new is the form, not a run's dashboard
     for router in (api.router, peer_tokens.router, link_probe.router, live.router, metrics.router, join.router,
-                   organize.router, me.router, stats.router, pages.router):
+                   organize.router, run_forms.router, me.router, stats.router, pages.router):
         app.include_router(router)
     app.add_api_route("/healthz", lambda: {"status": "ok"}, methods=["GET"], include_in_schema=False)
     add_error_handlers(app)

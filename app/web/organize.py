@@ -1,4 +1,5 @@
-"""The organizers' page of a run: admission policy, allowlist, bans, who holds tokens, and held credit."""
+"""The organizers' page of a run: its settings and state, its organizers, admission policy, allowlist, bans, who
+holds tokens, and held credit."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from app.authority import tokens
 from app.runs import registry
 from app.web.identity import CsrfChecked, CurrentUser
 from app.identity.models import User
-from app.core.errors import Forbidden
+from app.core.errors import Forbidden, Invalid
 from app.models import Run
 from app.web.deps import RunDep, SessionDep, SettingsDep
+from app.web.form_values import json_object, pretty, whole
 
 router = APIRouter(include_in_schema=False)
 Username = Annotated[str, Form(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
@@ -35,13 +37,54 @@ def back(run: Run) -> RedirectResponse:
     return RedirectResponse(f"/runs/{run.slug}/organize", status_code=303)
 
 
-@router.get("/runs/{slug}/organize", response_class=HTMLResponse)
-def organize_page(request: Request, run: RunDep, user: Organizer, session: SessionDep):
+def run_values(run: Run) -> dict[str, str]:
+    """The settings form's fields as the run has them now."""
+    return {"title": run.title, "target_epochs": "" if run.target_epochs is None else str(run.target_epochs),
+            "optimizer": pretty(run.optimizer), "checkpoints": pretty(run.checkpoints)}
+
+
+def render(request: Request, run: Run, session, values: Optional[dict[str, str]] = None, error: str = "",
+           status_code: int = 200):
     return request.app.state.templates.TemplateResponse(request, "organize.html", {
-        "run": run, "policies": tokens.ADMISSION_POLICIES, "allowlist": tokens.allowlist(session, run),
+        "run": run, "values": values or run_values(run), "settings_error": error,
+        "organizers": registry.organizers(session, run),
+        "policies": tokens.ADMISSION_POLICIES, "allowlist": tokens.allowlist(session, run),
         "bans": tokens.bans(session, run), "holders": tokens.token_holders(session, run),
         "held": review.held_credit(session, run),
-    })
+    }, status_code=status_code)
+
+
+@router.get("/runs/{slug}/organize", response_class=HTMLResponse)
+def organize_page(request: Request, run: RunDep, user: Organizer, session: SessionDep):
+    return render(request, run, session)
+
+
+@router.post("/runs/{slug}/organize/settings", dependencies=[CsrfChecked])
+def change_settings(request: Request, run: RunDep, user: Organizer, session: SessionDep,
+                    title: Annotated[str, Form(max_length=1000)] = "",
+                    target_epochs: Annotated[str, Form(max_length=20)] = "",
+                    optimizer: Annotated[str, Form(max_length=100_000)] = "",
+                    checkpoints: Annotated[str, Form(max_length=100_000)] = ""):
+    values = {"title": title, "target_epochs": target_epochs, "optimizer": optimizer, "checkpoints": checkpoints}
+    try:
+        registry.edit_run(session, run, title=title, target_epochs=whole(target_epochs, "target_epochs", True),
+                          optimizer=json_object(optimizer, "optimizer"),
+                          checkpoints=json_object(checkpoints, "checkpoints"))
+    except Invalid as e:  # the form again, as typed, with the reason
+        return render(request, run, session, values, str(e), status_code=422)
+    return back(run)
+
+
+@router.post("/runs/{slug}/organize/state", dependencies=[CsrfChecked])
+def change_state(run: RunDep, user: Organizer, session: SessionDep, state: Annotated[str, Form(max_length=20)]):
+    registry.set_state(session, run, state)
+    return back(run)
+
+
+@router.post("/runs/{slug}/organize/organizers", dependencies=[CsrfChecked])
+def add_organizer(run: RunDep, user: Organizer, session: SessionDep, username: Username):
+    registry.add_organizer(session, run, username)
+    return back(run)
 
 
 @router.post("/runs/{slug}/organize/admission", dependencies=[CsrfChecked])

@@ -10,7 +10,7 @@ from app.credit import ledger, standings
 from app.runs import checkpoints, plans, registry
 from app.runs.progress import run_progress
 from app.web.deps import RunDep, SessionDep, SettingsDep
-from app.web.identity import OptionalUser
+from app.web.identity import OptionalUser, is_organizer
 from app.web.views import current_swarm
 
 router = APIRouter(default_response_class=HTMLResponse, include_in_schema=False)
@@ -21,9 +21,9 @@ def render(request: Request, template: str, **context):
 
 
 @router.get("/")
-def home(request: Request, session: SessionDep):
+def home(request: Request, session: SessionDep, settings: SettingsDep, user: OptionalUser):
     items = [(run, current_swarm(session, run)) for run in registry.list_runs(session)]
-    return render(request, "home.html", items=items)
+    return render(request, "home.html", items=items, can_create=is_organizer(settings, user))
 
 
 @router.get("/runs/{slug}")
