@@ -39,7 +39,7 @@ def plan_row(run, predicted: float, created_at: datetime) -> AveragingPlan:
         {"peer_id": CAROL_PEER, "username": HIDDEN_NAME, "share": 0.0, "role": "client",
          "upload_bps": 10 * MBIT, "download_bps": 20 * MBIT},
         {"peer_id": ALICE_PEER, "username": "alice", "share": 0.625, "role": "aggregator",
-         "upload_bps": 100 * MBIT, "download_bps": 200 * MBIT},
+         "upload_bps": 100 * MBIT, "download_bps": 200 * MBIT, "device": "cuda"},
         {"peer_id": BOB_AUX_PEER, "username": "bob", "share": 0.375, "role": "aux",
          "upload_bps": 50 * MBIT, "download_bps": 50 * MBIT},
     ]
@@ -94,6 +94,8 @@ def test_the_plan_api_gives_roles_shares_and_mbit_per_second(client):
     assert (plan["predicted_seconds"], plan["measured_seconds"], plan["lower_bound_seconds"]) == (1.25, 1.5, 0.8)
     assert plan["reason"] == "a peer joined" and plan["vector_bytes"] == 40_000_000
     assert datetime.fromisoformat(plan["created_at"]) == PLANNED_AT
+    # Where each trains, as the workers reported it; entries of older plans say nothing.
+    assert [p["device"] for p in plan["peers"]] == ["cuda", "", ""]
 
 
 def test_a_plan_naming_peer_keys_labels_each_peer_as_its_owners_page_does(sessions, database_url, tmp_path):

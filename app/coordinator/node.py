@@ -232,5 +232,5 @@ def links_online(session, run, metrics: list[SignedMetrics], online: set[str], m
     reporting = [m for m in metrics if m.record.link is not None
                  and (m.peer_key in online or now - m.record.time <= max_age)]
     known = owners(session, run, (m.peer_key for m in reporting))
-    return [LinkSeen(m.peer_key, known[m.peer_key][1], known[m.peer_key][0], m.record.link)
+    return [LinkSeen(m.peer_key, known[m.peer_key][1], known[m.peer_key][0], m.record.link, m.record.hardware)
             for m in reporting if m.peer_key in known]

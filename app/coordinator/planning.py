@@ -51,6 +51,7 @@ class LinkSeen:
     peer_id: str
     username: str
     link: LinkReport
+    hardware: str = ""  # the worker's own words, "cuda: <GPU>" or "cpu: N threads"
 
 
 def profiles_of(peers: Sequence[LinkSeen]) -> list[PeerProfile]:
@@ -109,7 +110,9 @@ class PlanKeeper:
             # peer_key: the plan's public view labels each peer with its key's fingerprint, as its owner's page does
             peers=[dict(peer_id=peer.peer_id, peer_key=peer.peer_key, username=peer.username,
                         share=plan.shares.get(peer.peer_id, 0.0), role=role_of(peer.link),
-                        upload_bps=peer.link.upload_bps, download_bps=peer.link.download_bps)
+                        upload_bps=peer.link.upload_bps, download_bps=peer.link.download_bps,
+                        # the kind only ("cuda", "cpu"): the public plan does not name a volunteer's GPU model
+                        device=peer.hardware.split(":", 1)[0] if peer.hardware else "")
                    for peer in peers if peer.peer_id in plan.shares],
         )
         session.add(row)

@@ -32,7 +32,8 @@ class PlanPeer(BaseModel):
     peer keys),
     ``username`` its owner ("hidden volunteer" for users hidden from public boards), ``role`` "aggregator",
     "client" (accepts no connections, aggregates nothing) or "aux" (aggregates, trains nothing), ``share`` of the
-    gradient vector it aggregates (a fraction, 0 to 1), and its measured bandwidth in Mbit/s."""
+    gradient vector it aggregates (a fraction, 0 to 1), its measured bandwidth in Mbit/s, and ``device`` where it
+    trains ("cuda" or "cpu"; "" in plans stored before plans said)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -42,6 +43,7 @@ class PlanPeer(BaseModel):
     share: float
     upload_mbps: float
     download_mbps: float
+    device: str = ""
 
 
 class PublicPlan(BaseModel):
@@ -99,6 +101,7 @@ def plan_peer(peer: dict[str, Any], hidden: set[str]) -> PlanPeer:
         share=float(peer.get("share") or 0.0),
         upload_mbps=to_mbps(peer.get("upload_bps")),
         download_mbps=to_mbps(peer.get("download_bps")),
+        device=str(peer.get("device") or ""),
     )
 
 
