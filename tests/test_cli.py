@@ -91,6 +91,24 @@ def test_create_run_names_the_bad_task_option_in_one_line(tmp_path, options, fil
     assert control.returncode == 0, control.stderr
 
 
+def test_a_target_in_samples_is_rounded_up_to_whole_steps(tmp_path):
+    from app.core.database import make_engine, make_sessionmaker
+    from app.runs import registry
+
+    env = {"DEDLOC_DATA_DIR": str(tmp_path)}
+    done = run("-m", "app.cli", "create-run", "by-samples", "--target-batch-size", "256", "--target-samples", "1000",
+               env=env)
+    assert done.returncode == 0, done.stderr
+    engine = make_engine(f"sqlite:///{tmp_path / 'dedloc.sqlite3'}")
+    try:
+        with make_sessionmaker(engine)() as session:
+            assert registry.get_run(session, "by-samples").target_epochs == 4  # 1000 / 256 = 3.9 steps
+    finally:
+        engine.dispose()
+    refused = run("-m", "app.cli", "create-run", "none", "--target-samples", "0", env=env)
+    assert refused.returncode == 2 and "target_epochs must be at least 1" in one_line(refused.stderr)
+
+
 def test_create_run_is_idempotent_when_asked(tmp_path):
     env = {"DEDLOC_DATA_DIR": str(tmp_path)}
     assert run("-m", "app.cli", "create-run", "twice", env=env).returncode == 0

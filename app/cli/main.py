@@ -35,7 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("--optimizer", type=json.loads, default={}, help="JSON object of optimizer options")
     create.add_argument("--file", type=Path, action="append", default=[], dest="files",
                         help="a data file the task options name (repeat for several); served to the run's workers")
-    create.add_argument("--target-epochs", type=int, help="end the run after this many optimizer steps")
+    target = create.add_mutually_exclusive_group()
+    target.add_argument("--target-epochs", type=int, help="end the run after this many optimizer steps")
+    target.add_argument("--target-samples", type=int,
+                        help="or after this many samples (rounded up to whole steps of --target-batch-size)")
     create.add_argument("--checkpoints", type=json.loads, default={},
                         help='JSON object: {"every_epochs": 10, "every_minutes": null, "keep": 3, "hub_repo": null}')
     create.add_argument("--if-missing", action="store_true", help="succeed quietly when the run exists")
@@ -103,10 +106,17 @@ def cmd_create_run(args, settings: Settings) -> None:
             slug=args.slug, title=args.title or args.slug, task=args.task,
             target_batch_size=args.target_batch_size, batch_size=args.batch_size,
             task_options=args.task_options, optimizer=args.optimizer,
-            samples_per_second_ceiling=args.samples_per_second_ceiling, target_epochs=args.target_epochs,
+            samples_per_second_ceiling=args.samples_per_second_ceiling, target_epochs=target_epochs(args),
             checkpoints=args.checkpoints,
         )
     print(f"created run {run.slug!r}")
+
+
+def target_epochs(args) -> int | None:
+    """Steps from --target-epochs, or from --target-samples (each step averages --target-batch-size samples)."""
+    if args.target_samples is None:
+        return args.target_epochs
+    return max(-(-args.target_samples // max(args.target_batch_size, 1)), 0) or -1  # 0 samples: refused as < 1
 
 
 @contextmanager

@@ -198,6 +198,9 @@ class CoordinatorNode:
     def _offer_checkpoint(self, run, epoch: int) -> None:
         if self.checkpointer is None or run.state == "finished":
             return
+        from dedloc_common.contract import CheckpointOptions
+
+        self.checkpointer.options = CheckpointOptions(**(run.checkpoints or {}))  # organizers change them live
         self.checkpointer.offer(epoch)
         if run.target_epochs is not None and epoch >= run.target_epochs:
             self.checkpointer.finish()

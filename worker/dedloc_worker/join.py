@@ -103,7 +103,8 @@ def _join(args, stop, folder: Path, placement):
         follower.start()
         # Organizers' pauses reach a worker within a few matchmaking times (10 s at most).
         watch = RunWatch(args.portal, args.run, config.state,
-                         interval=max(1.0, min(10.0, 4 * config.optimizer.matchmaking_time)))
+                         interval=max(1.0, min(10.0, 4 * config.optimizer.matchmaking_time)),
+                         target_epochs=config.target_epochs)
         watch.start()
         resume = resume_state(args.portal, dht, config, info.checkpoint, folder) if not args.aux else None
         with ProgressDisplay() as display:

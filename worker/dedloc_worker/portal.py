@@ -97,20 +97,24 @@ def measure_link(portal_url: str, slug: str, credential: str, size: int = 4 * 10
 
 
 class RunWatch(threading.Thread):
-    """The run's state as the portal says it, asked every ``interval`` seconds: organizers pause, resume and end
-    runs on the portal, and a worker follows within that time. An unreachable portal leaves the state as it was."""
+    """The run's state and target as the portal says them, asked every ``interval`` seconds: organizers pause,
+    resume and end runs and move their target on the portal, and a worker follows within that time. An unreachable
+    portal leaves them as they were."""
 
-    def __init__(self, portal_url: str, slug: str, state: str = "active", interval: float = 10.0):
+    def __init__(self, portal_url: str, slug: str, state: str = "active", interval: float = 10.0,
+                 target_epochs=None):
         super().__init__(name="dedloc-run-watch", daemon=True)
         self.portal_url, self.slug, self.state, self.interval = portal_url, slug, state, interval
+        self.target_epochs = target_epochs  # organizers may move the target while the run trains
         self._halt = threading.Event()
 
     def run(self) -> None:
         while not self._halt.wait(self.interval):
             try:
-                self.state = fetch_join_info(self.portal_url, self.slug).config.state
+                config = fetch_join_info(self.portal_url, self.slug).config
             except WorkerError:
                 continue
+            self.state, self.target_epochs = config.state, config.target_epochs
 
     def halt(self) -> None:
         self._halt.set()

@@ -102,15 +102,15 @@ def train(
     contributions: deque = deque(maxlen=RECENT_EPOCHS_KEPT)
     every_contribution: List[EpochContribution] = []
     tally = EpochTally(opt.local_epoch)
-    ends = [e for e in (max_epochs, config.target_epochs) if e is not None]
     run_over = False
     try:
         while not stop.is_set():
-            if config.target_epochs is not None and epoch_of(opt, aux) >= config.target_epochs:
+            target = watch.target_epochs if watch is not None else config.target_epochs
+            if target is not None and epoch_of(opt, aux) >= target:
                 run_over = True
                 await_final_checkpoint(watch, stop)
                 break
-            if ends and epoch_of(opt, aux) >= min(ends):
+            if max_epochs is not None and epoch_of(opt, aux) >= max_epochs:
                 break
             if watch is not None and watch.state != "active":
                 if watch.state == "finished":
