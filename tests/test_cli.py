@@ -32,6 +32,13 @@ def test_worker_with_an_unreachable_portal():
     assert "cannot reach the portal" in one_line(done.stderr)
 
 
+def test_worker_asked_for_a_gpu_it_lacks_says_so_in_one_line():
+    done = run("-m", "dedloc_worker", "join", f"http://127.0.0.1:{free_port()}", "--run", "demo", "--device", "cuda",
+               env={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2
+    assert "--device cuda: this machine has no CUDA GPU" in one_line(done.stderr)
+
+
 def test_worker_with_an_unknown_run(deployment):
     deployment.create_run()
     deployment.start_portal()
