@@ -169,7 +169,8 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
 
 def restore(optimizer, state: dict) -> None:
     """Put a checkpoint's training state (``checkpoints.read_state``) into a fresh optimizer, as hivemind's own
-    ``TrainingStateAverager.load_state_from_peers`` does after a download (docs/hivemind.md#resume)."""
+    ``TrainingStateAverager.load_state_from_peers`` does after a download
+    (docs/hivemind.md#state-checkpoints-and-resume)."""
     import torch
 
     averager = optimizer.state_averager
