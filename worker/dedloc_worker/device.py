@@ -41,7 +41,7 @@ def choose(requested: str = "auto", threads: Optional[int] = None, cuda_availabl
                           "False); install a CUDA build of torch, or use --device cpu")
     threads = threads or physical_cores()
     if requested == "cpu" or not has_cuda:
-        return Placement("cpu", None, threads, f"cpu: {threads} threads")
+        return Placement("cpu", None, threads, f"cpu: {threads} thread{'s' if threads != 1 else ''}")
     bf16 = torch.cuda.is_bf16_supported() if bf16_supported is None else bf16_supported
     name = gpu_name if gpu_name is not None else torch.cuda.get_device_name(0)
     amp = "bfloat16" if bf16 else "float16"
