@@ -17,9 +17,13 @@ import pydantic.v1 as pydantic_v1
 from pydantic import BaseModel, Field
 
 API_PREFIX = "/api/v1"
-# How many past epochs a worker repeats in its metrics record, so a coordinator that was down or polled late
-# still sees every epoch while the record lives.
+# How many past epochs the training loop hands to each metrics record. The worker's claim outbox
+# (dedloc_worker.claims) keeps more: every claim the coordinator has not acknowledged, up to the caps below.
 RECENT_EPOCHS_KEPT = 32
+# At most this many unacknowledged claims, and this many bytes of them (JSON), ride in one metrics record: every
+# peer's record lives under one DHT key and the coordinator reads them all in one reply (hivemind's limit is 2 MiB).
+PENDING_CLAIMS_KEPT = 256
+PENDING_CLAIMS_BYTES = 48 * 1024
 # hivemind's part_size_bytes for gradient averaging (its default is 512 KiB): the unit in which the vector is split
 # between aggregators and streamed, so the coordinator plans with it. Smaller parts let results trail uploads by
 # less (docs/benchmarks.md#part-size).
@@ -142,6 +146,9 @@ class EpochContribution(pydantic_v1.BaseModel):
     group: pydantic_v1.StrictStr = ""
     # Receipts: group -> PeerID -> weight of every sender whose gradient part this peer aggregated.
     aggregated: Dict[pydantic_v1.StrictStr, Dict[pydantic_v1.StrictStr, float]] = {}
+    # The PeerIDs of every member of ``group`` as hivemind formed it (this peer included); [] when unknown (a
+    # worker before this field). The coordinator counts a receipt for this claim only from a listed member.
+    members: List[pydantic_v1.StrictStr] = []
 
 
 class LinkReport(pydantic_v1.BaseModel):
@@ -208,6 +215,32 @@ def plan_payload(shares: Dict[str, float], predicted_seconds: float, issued_at: 
     body = {"shares": {peer: round(float(share), 9) for peer, share in sorted(shares.items())},
             "predicted_seconds": round(float(predicted_seconds), 6), "issued_at": repr(float(issued_at))}
     return b"plan " + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+# --- Acknowledgements ------------------------------------------------------------------------------------------
+# The coordinator acknowledges, per peer key, the newest epoch whose claim (and the receipts riding with it) the
+# database holds: a record under ack_key(run_id, peer_key), subkey the coordinator's public key, signed by the run's
+# authority. Until an acknowledgement covers a claim, its worker keeps the claim in its metrics record and keeps
+# the record alive, so a coordinator that was down for longer than a record lives loses nothing.
+
+
+def ack_key(run_id: str, peer_key: str) -> str:
+    """DHT key of the coordinator's acknowledgement for one peer key (contract.peer_key_of)."""
+    return f"{run_id}_ack_{peer_key}"
+
+
+class AckRecord(pydantic_v1.BaseModel):
+    """Every claim of ``peer_key`` up to ``epoch`` is in the coordinator's database."""
+
+    peer_key: pydantic_v1.StrictStr
+    epoch: pydantic_v1.conint(ge=0, strict=True)
+    issued_at: pydantic_v1.StrictFloat
+    signature: pydantic_v1.StrictStr
+
+
+def ack_payload(peer_key: str, epoch: int, issued_at: float) -> bytes:
+    """The bytes the authority signs for an acknowledgement."""
+    return f"ack {peer_key} {int(epoch)} {float(issued_at)!r}".encode()
 
 
 # --- Link probes -----------------------------------------------------------------------------------------------
