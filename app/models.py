@@ -12,6 +12,7 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     LargeBinary,
     MetaData,
@@ -110,9 +111,11 @@ class Coordinator(Base):
 
 
 class Snapshot(Base):
-    """The swarm as the coordinator saw it at one poll."""
+    """The swarm as the coordinator saw it at one poll. Crediting reads the coordinator's clock from these: when
+    the swarm was seen before and after an epoch (``app.credit.settlement.epoch_window``)."""
 
     __tablename__ = "snapshots"
+    __table_args__ = (Index("ix_snapshots_run_id_epoch", "run_id", "epoch"),)
 
     id: Mapped[int] = mapped_column(primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
@@ -153,6 +156,11 @@ class Contribution(Base):
     group_id: Mapped[str] = mapped_column(String(64), default="", index=True)
     # An organizer who released held credit: the row then stays credited in full.
     released_by: Mapped[Optional[str]] = mapped_column(String(100), nullable=True)
+    # The round's members (PeerIDs) as the claimant's signed record lists them: receipts count only from these.
+    members: Mapped[list[str]] = mapped_column(JSON, default=list)
+    # How long the epoch lasted at most as the coordinator's clock saw it (snapshots): the ceiling's time, and the
+    # cap on the runtime credited. None until settled.
+    observed_seconds: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
 
 
 class Receipt(Base):
@@ -168,6 +176,32 @@ class Receipt(Base):
     epoch: Mapped[int] = mapped_column(Integer)
     sender_peer_id: Mapped[str] = mapped_column(String(100))
     weight: Mapped[float] = mapped_column(Float)
+
+
+class Dispute(Base):
+    """A receipt that disagreed with a claim, recorded against its author (the aggregator's user).
+
+    ``kind``: "outvoted" (the claimant and most other users in the round agree otherwise), "not a member" (its
+    author was not in the round as the claimant's signed record lists it), "unresolved" (no majority: the claim is
+    held as disputed and an organizer decides). Kept in step with the claim's settlement, once per (round, claim
+    key, aggregator key).
+    """
+
+    __tablename__ = "disputes"
+    __table_args__ = (UniqueConstraint("run_id", "group_id", "claim_key", "aggregator_key"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    group_id: Mapped[str] = mapped_column(String(64))
+    epoch: Mapped[int] = mapped_column(Integer)
+    claim_key: Mapped[str] = mapped_column(String(64))
+    claimant: Mapped[str] = mapped_column(String(100))
+    claimed: Mapped[int] = mapped_column(BigInteger)
+    aggregator_key: Mapped[str] = mapped_column(String(64))
+    author: Mapped[str] = mapped_column(String(100), index=True)
+    seen: Mapped[float] = mapped_column(Float)
+    kind: Mapped[str] = mapped_column(String(20))
+    recorded_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class Peer(Base):

@@ -34,6 +34,8 @@ def simulated_epoch(session, run, peers: int, epoch: int = 1) -> list[SignedMetr
     keys = [f"{i:064x}" for i in range(peers)]
     ids = [f"peer{i}" for i in range(peers)]
     if epoch == 1:
+        # the coordinator has watched the run for an hour (no snapshots): the ceiling holds none of these claims
+        run.created_at = utcnow() - timedelta(hours=1)
         session.add_all(IssuedPeerToken(run_id=run.id, username=f"user{i % 100}", peer_public_key="-",
                                         peer_id=ids[i], peer_key=keys[i], expires_at=utcnow() + timedelta(hours=1))
                         for i in range(peers))
@@ -45,7 +47,7 @@ def simulated_epoch(session, run, peers: int, epoch: int = 1) -> list[SignedMetr
         members = range(start, min(start + GROUP_SIZE, peers))
         aggregated = {group: {ids[j]: float(SAMPLES) for j in members if j != i}}
         contribution = EpochContribution(epoch=epoch, samples=SAMPLES, loss_sum=1.0, mini_steps=1, seconds=1.0,
-                                         group=group, aggregated=aggregated)
+                                         group=group, aggregated=aggregated, members=[ids[j] for j in members])
         records.append(SignedMetrics(keys[i], MetricsRecord(username=f"user{i % 100}", epoch=epoch + 1,
                                                             samples_per_second=100.0, time=0.0,
                                                             recent=[contribution])))

@@ -64,7 +64,8 @@ def test_boards_sum_credited_and_held_by_user_and_by_team(sessions):
             ("alice", 1600, 400, "hf-org", 2), ("bob", 700, 0, "hf-org", 1), ("dave", 200, 20, None, 1),
             ("ghost", 50, 0, None, 1)]
         alice = leaderboard(session, demo)[1]
-        assert alice.runtime_seconds == 8.0 and alice.last_seen == START + timedelta(minutes=3)
+        # epoch 3, credited nothing, adds no runtime
+        assert alice.runtime_seconds == 6.0 and alice.last_seen == START + timedelta(minutes=3)
 
         team = lambda board: [(r.team, r.members, r.samples, r.held_samples) for r in board]
         assert team(team_leaderboard(session, demo)) == [("hf-org", 2, 1300, 400)]  # carol hides: not summed
@@ -76,7 +77,7 @@ def test_the_leaderboard_api_keeps_its_contract_and_gains_held_and_team(client):
     board = client.get("/api/v1/runs/demo/leaderboard").json()
     assert [(r["username"], r["samples"], r["held_samples"], r["team"]) for r in board] == [
         ("bob", 700, 0, "hf-org"), ("alice", 600, 400, "hf-org"), ("ghost", 50, 0, None)]
-    assert board[1]["runtime_seconds"] == 8.0 and board[1]["peers"] == 1
+    assert board[1]["runtime_seconds"] == 6.0 and board[1]["peers"] == 1
     assert datetime.fromisoformat(board[1]["last_seen"]) == START + timedelta(minutes=3)
     assert [r["username"] for r in client.get("/api/v1/runs/demo/leaderboard?limit=1").json()] == ["bob"]
 
@@ -95,7 +96,7 @@ def test_the_leaderboard_api_keeps_its_contract_and_gains_held_and_team(client):
 def test_a_users_public_totals_and_404s(client):
     alice = client.get("/api/v1/users/alice").json()
     assert (alice["samples"], alice["held_samples"], alice["runtime_seconds"], alice["peers"], alice["team"]) == (
-        1600, 400, 10.0, 2, "hf-org")
+        1600, 400, 8.0, 2, "hf-org")
     assert [(r["run"], r["samples"], r["held_samples"], r["peers"]) for r in alice["runs"]] == [
         ("demo", 600, 400, 1), ("second", 1000, 0, 1)]
     ghost = client.get("/api/v1/users/ghost").json()  # credited, but never signed in here: no user row

@@ -3,66 +3,43 @@
 from __future__ import annotations
 
 import pytest
-from dedloc_common.contract import EpochContribution, MetricsRecord, peer_key_of
-from hivemind.utils.crypto import RSAPrivateKey
+from dedloc_common.contract import MetricsRecord
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from app.runs import registry
 from app.credit.ledger import SignedMetrics, samples_total
-from app.core.config import Settings
-from app.credit.settlement import ALONE, NO_TOKEN, Decision, credit_epochs, decide
+from app.credit.settlement import ALONE, NO_ROUND, NO_TOKEN, Decision, credit_epochs, decide
 from app.core.database import make_engine, make_sessionmaker, migrate
 from app.models import Contribution
-from app.authority.tokens import issue_peer_token
+from tests.support.credit import Peer, aged_run, claim, totals
 
 
 def test_decide_credits_what_others_confirmed_up_to_the_ceiling():
-    assert decide(100, 1.0, [100.0, 100.0], ceiling=1000) == Decision(100, 0, None)
-    assert decide(100, 1.0, [], ceiling=1000) == Decision(0, 100, ALONE)
-    alone_and_fast = decide(9000, 1.0, [], ceiling=1000)
-    assert alone_and_fast == Decision(0, 9000, f"{ALONE}; claimed 9,000 samples/s, ceiling is 1,000")
-    lied = decide(1000, 1.0, [100.0], ceiling=5000)
-    assert (lied.credited, lied.held) == (100, 900) and "saw 100" in lied.reason
-    fast = decide(40_000, 1.0, [40_000.0], ceiling=5000)
-    assert (fast.credited, fast.held) == (5000, 35_000) and "claimed 40,000 samples/s, ceiling is 5,000" in fast.reason
-    # Two aggregators disagree: the smaller word counts.
-    assert decide(100, 1.0, [100.0, 60.0], ceiling=1000).credited == 60
-
-
-class Peer:
-    """A worker's key with a token issued to ``username``."""
-
-    def __init__(self, session, run, username: str, tmp_path):
-        key = RSAPrivateKey().get_public_key().to_bytes()
-        self.key, self.username = peer_key_of(key), username
-        grant = issue_peer_token(session, Settings(data_dir=tmp_path), run, username, key.decode())
-        from dedloc_common.signing import peer_id_of
-
-        self.peer_id = peer_id_of(grant.token.public_key)
-
-    def record(self, *claims: EpochContribution) -> SignedMetrics:
-        return SignedMetrics(self.key, MetricsRecord(username=self.username, epoch=9, samples_per_second=1.0,
-                                                     time=0.0, recent=list(claims)))
-
-
-def claim(epoch: int, samples: int, group: str = "g", aggregated: dict | None = None) -> EpochContribution:
-    return EpochContribution(epoch=epoch, samples=samples, loss_sum=1.0, mini_steps=1, seconds=1.0, group=group,
-                             aggregated=aggregated or {})
-
-
-def totals(session) -> dict[str, tuple[int, int]]:
-    rows = session.query(Contribution.username, Contribution.credited, Contribution.held).all()
-    found: dict[str, tuple[int, int]] = {}
-    for username, credited, held in rows:
-        c, h = found.get(username, (0, 0))
-        found[username] = (c + credited, h + held)
-    return found
+    assert decide(100, 1.0, {"bob": 100.0, "carol": 100.0}, ceiling=1000) == Decision(100, 0, None, agreed=100)
+    assert decide(100, 1.0, {}, ceiling=1000) == Decision(0, 100, ALONE)
+    assert decide(100, 1.0, {}, ceiling=1000, round_formed=False) == Decision(0, 100, NO_ROUND)
+    alone_and_fast = decide(9000, 1.0, {}, ceiling=1000)
+    assert alone_and_fast.reason == (f"{ALONE}; claimed 9,000 samples in an epoch the coordinator saw last 1.0 s "
+                                     "(9,000 samples/s), ceiling is 1,000")
+    # two other users saw less than claimed: they agree, the claim is held down to what they saw
+    lied = decide(1000, 1.0, {"bob": 100.0, "carol": 100.0}, ceiling=5000)
+    assert (lied.credited, lied.held, lied.disputed) == (100, 900, False) and "saw 100" in lied.reason
+    # one other user saw less: word against word, held as disputed (what both agree on is credited)
+    alone_against = decide(1000, 1.0, {"bob": 100.0}, ceiling=5000)
+    assert (alone_against.credited, alone_against.held, alone_against.disputed) == (100, 900, True)
+    assert alone_against.reason.startswith("disputed: claimed 1,000 samples, the peers that averaged with it saw 100")
+    fast = decide(40_000, 1.0, {"bob": 40_000.0}, ceiling=5000)
+    assert (fast.credited, fast.held) == (5000, 35_000) and "(40,000 samples/s), ceiling is 5,000" in fast.reason
+    # One of two other users says less: the majority (claimant and the other) decides, not the smaller word.
+    assert decide(100, 1.0, {"bob": 100.0, "carol": 60.0}, ceiling=1000) == Decision(100, 0, None, agreed=100)
+    # a receipt that saw more than was claimed agrees with the claim
+    assert decide(100, 1.0, {"bob": 250.0}, ceiling=1000).credited == 100
+    assert decide(0, 1.0, {}, ceiling=1000) == Decision(0, 0, None)
 
 
 def test_claims_are_credited_once_confirmed_by_another_member_of_the_round(sessions, tmp_path):
     with sessions() as session:
-        run = registry.create_run(session, slug="credit", title="Credit")
+        run = aged_run(session, "credit")
         alice, bob = Peer(session, run, "alice", tmp_path), Peer(session, run, "bob", tmp_path)
         # alice's record arrives first: nobody has confirmed her 300 samples yet.
         assert credit_epochs(session, run, [alice.record(claim(1, 300, aggregated={"g": {bob.peer_id: 200.0}}))]) == 1
@@ -76,7 +53,7 @@ def test_claims_are_credited_once_confirmed_by_another_member_of_the_round(sessi
 
 def test_a_worker_restarted_with_a_new_key_is_credited_under_both_keys(sessions, tmp_path):
     with sessions() as session:
-        run = registry.create_run(session, slug="rekey", title="Rekey")
+        run = aged_run(session, "rekey")
         old, new, bob = (Peer(session, run, name, tmp_path) for name in ("carol", "carol", "bob"))
         credit_epochs(session, run, [old.record(claim(3, 10, "a", {"a": {bob.peer_id: 5.0}})),
                                      bob.record(claim(3, 5, "a", {"a": {old.peer_id: 10.0}}))])
@@ -87,7 +64,7 @@ def test_a_worker_restarted_with_a_new_key_is_credited_under_both_keys(sessions,
 
 def test_a_key_without_a_token_is_never_credited(sessions, tmp_path):
     with sessions() as session:
-        run = registry.create_run(session, slug="untokened", title="No token")
+        run = aged_run(session, "untokened")
         alice = Peer(session, run, "alice", tmp_path)
         stranger = SignedMetrics("f" * 64, MetricsRecord(username="alice", epoch=2, samples_per_second=1.0, time=0.0,
                                                          recent=[claim(1, 50, aggregated={"g": {alice.peer_id: 1.0}})]))
@@ -108,7 +85,7 @@ def test_any_order_and_repetition_of_records_gives_the_same_totals(tmp_path_fact
     migrate(url)
     engine = make_engine(url)
     with make_sessionmaker(engine)() as session:
-        run = registry.create_run(session, slug="prop", title="Prop")
+        run = aged_run(session, "prop")
         alice, bob = Peer(session, run, "alice", folder), Peer(session, run, "bob", folder)
         records, truth = [], {}
         for epoch, a, b in rounds:
@@ -130,7 +107,7 @@ def test_any_order_and_repetition_of_records_gives_the_same_totals(tmp_path_fact
 def test_a_thousand_peers_in_one_epoch_are_settled(sessions, tmp_path, peers):
     """Scale smoke test (the timing lives in bench/crediting.py): groups of 16, everyone confirmed."""
     with sessions() as session:
-        run = registry.create_run(session, slug="scale", title="Scale")
+        run = aged_run(session, "scale")
         from bench.crediting import SAMPLES, simulated_epoch
 
         records = simulated_epoch(session, run, peers)

@@ -10,7 +10,8 @@ from app.core.database import downgrade, make_engine, migrate
 from app.core.errors import Invalid, NotFound
 
 TABLES = {"runs", "coordinators", "snapshots", "contributions", "users", "api_credentials", "device_codes", "receipts", "peers",
-          "peer_tokens", "run_bans", "run_allowlist", "averaging_plans", "run_organizers", "checkpoints"}
+          "peer_tokens", "run_bans", "run_allowlist", "averaging_plans", "run_organizers", "checkpoints",
+          "disputes"}
 
 
 def table_names(url: str) -> set[str]:

@@ -48,7 +48,7 @@ def test_the_dumps_parse_hold_every_public_total_and_leave_hidden_users_out(popu
         ("alice", "hf-org", 1600, 400), ("bob", "hf-org", 700, 0), ("dave", None, 200, 20), ("ghost", None, 50, 0)]
     alice = users["users"][0]
     assert [(r["run"], r["samples"], r["held_samples"], r["runtime_seconds"]) for r in alice["runs"]] == [
-        ("demo", 600, 400, 8.0), ("second", 1000, 0, 2.0)]
+        ("demo", 600, 400, 6.0), ("second", 1000, 0, 2.0)]  # runtime of credited epochs only
     assert datetime.fromisoformat(alice["last_seen"]) == START + timedelta(minutes=3)
 
     rows = csv_rows(read(tmp_path / "stats" / "users.csv.gz"))

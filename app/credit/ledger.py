@@ -8,7 +8,7 @@ from typing import Iterable, Optional
 
 from dedloc_common.contract import MetricsRecord
 from pydantic import BaseModel, ConfigDict
-from sqlalchemy import Select, func, select
+from sqlalchemy import Select, case, func, select
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
@@ -32,7 +32,7 @@ def samples_total(session: Session, run: Run) -> int:
 
 class LeaderboardEntry(BaseModel):
     """A user on a board: ``samples`` credited, ``held_samples`` held back for review, ``runtime_seconds`` their
-    peers spent in counted epochs, ``team`` they represent (or null), ``last_seen`` when an epoch was recorded."""
+    peers spent in credited epochs, ``team`` they represent (or null), ``last_seen`` when an epoch was recorded."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -52,12 +52,21 @@ def only_public(query: Select, run: Optional[Run] = None) -> Select:
     return query if run is None else query.where(Contribution.run_id == run.id)
 
 
+def credited_runtime():
+    """Seconds a contribution adds to its user's runtime: none unless something of it is credited, and at most the
+    epoch's length as the coordinator saw it (a claim's own seconds are its word only)."""
+    seconds = case((Contribution.observed_seconds < Contribution.seconds, Contribution.observed_seconds),
+                   else_=Contribution.seconds)
+    return case((Contribution.credited > 0, seconds), else_=0.0)
+
+
 def credit_columns() -> tuple:
-    """The aggregates every board shows: credited, held, runtime (seconds), peers, last recorded epoch."""
+    """The aggregates every board shows: credited, held, runtime (seconds, credited epochs only), peers, last
+    recorded epoch."""
     return (
         func.coalesce(func.sum(Contribution.credited), 0).label("samples"),
         func.coalesce(func.sum(Contribution.held), 0).label("held"),
-        func.coalesce(func.sum(Contribution.seconds), 0.0).label("runtime"),
+        func.coalesce(func.sum(credited_runtime()), 0.0).label("runtime"),
         func.count(func.distinct(Contribution.peer_key)).label("peers"),
         func.max(Contribution.recorded_at).label("last_seen"),
     )

@@ -1,31 +1,70 @@
 """Crediting: from peers' signed claims and receipts to credited and held samples, once per (peer key, epoch).
 
-A claim is what a peer's metrics record says it put into an epoch's step. A receipt is what another peer, which
-aggregated part of that step, says it saw: the sender's weight in the all-reduce, which hivemind sets to the
-samples the sender accumulated. A claim is credited up to what another peer's receipt confirms and up to the
-run's plausible samples per second; the rest is held with the reason in words.
+A claim is what a peer's metrics record says it put into an epoch's step: its samples, the all-reduce round
+(hivemind's group id) they went into, and that round's members (PeerIDs) as hivemind formed it. A receipt is what
+a peer that aggregated part of that round says it saw: the sender's weight, which hivemind sets to the samples the
+sender accumulated.
 
-Claims and receipts meet on the all-reduce round (hivemind's group id), not on epoch numbers: peers one epoch
-apart can share a round. Every decision is a pure function of the claim and the receipts of its round, so
-repeated polls, late
-receipts, a restarted coordinator or two coordinators on one database all end in the same totals.
+Who confirms a claim: only receipts from peers that (a) belong to another user than the claimant, by the
+issued-token table (``owners``), and (b) were members of the round as the claimant's own signed record lists them.
+One user's several peers are one voice (the median of what they saw). Receipts from the claimant's own account
+count for nothing, so one user's peers cannot vouch for each other.
+
+What is credited: the value a strict majority agrees on among the claimant (its claim) and each other user of the
+round (what their peers saw, counted up to the claim). A receipt against that majority is recorded as a dispute
+against its author (``Dispute``); it does not cut the claim. Without a majority (one other user who saw less than
+was claimed, or a split), the claim is held as disputed: what every side agrees on is credited, the rest waits for
+an organizer, who sees both sides (``app.credit.review``). A receipt from a peer that was not in the round counts
+for nothing and, where it says less than the claim, is recorded as a dispute against its author too.
+
+Then the ceiling: a claim is credited up to the run's samples-per-second ceiling times the epoch's length as the
+coordinator's clock saw it (``observed_seconds``: from its last snapshot before the epoch began to its first after
+the epoch ended), whatever the claim says its own seconds were. The rest is held, with the reason in words.
+
+Claims and receipts meet on the round, not on epoch numbers: peers one epoch apart can share a round. Every
+decision is a function of what the database holds (claims, receipts, snapshots), so repeated polls, late receipts,
+a restarted coordinator or two coordinators on one database all end in the same totals.
 """
 
 from __future__ import annotations
 
+import statistics
+from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
+from datetime import datetime
+from typing import Iterable, Mapping, Optional, Sequence
 
-from sqlalchemy import select, update
+from sqlalchemy import delete, func, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
 from app.credit.ledger import SignedMetrics
-from app.core.clock import utcnow
-from app.models import Contribution, IssuedPeerToken, Peer, Receipt, Run
+from app.core.clock import as_utc, utcnow
+from app.models import Contribution, Dispute, IssuedPeerToken, Peer, Receipt, Run, Snapshot
 
+REASON_LENGTH = Contribution.__table__.c.reason.type.length
+NOT_ACCUSED = "this is not an accusation"
 NO_TOKEN = "no peer token was issued for this key: the swarm cannot tell whose it is"
-ALONE = "alone in its averaging group: no other peer confirmed these samples"
+NO_ROUND = ("not confirmed: no averaging round formed in this epoch, so no other volunteer saw these samples "
+            f"(rounds fail when peers are slow or leave; {NOT_ACCUSED})")
+ALONE = ("not confirmed: the averaging round did not form with anyone else, no other volunteer averaged with this "
+         f"peer, so nobody could confirm these samples ({NOT_ACCUSED})")
+NO_MEMBERS = ("not confirmed: this worker did not list its round's members (a dedloc-worker older than the "
+              "portal's): update it")
+# Dispute kinds, against the receipt's author.
+OUTVOTED, NOT_A_MEMBER, UNRESOLVED = "outvoted", "not a member", "unresolved"
+
+
+def unfinished(others: int) -> str:
+    """A round with other volunteers listed, none of whose peers confirmed this one's part."""
+    volunteers = "another volunteer" if others == 1 else f"{others} other volunteers"
+    return (f"not confirmed: the averaging round with {volunteers} did not finish, so nobody confirmed these "
+            f"samples ({NOT_ACCUSED})")
+
+
+def same_account(username: str) -> str:
+    return (f"only peers of the same account ({username}) confirmed these samples: a volunteer's own peers "
+            "cannot confirm each other")
 
 
 @dataclass(frozen=True)
@@ -33,23 +72,72 @@ class Decision:
     credited: int
     held: int
     reason: Optional[str]
+    agreed: Optional[int] = None  # the value the majority agreed on, when there was one
+    disputed: bool = False  # no majority: held until an organizer decides
 
 
-def decide(claimed: int, seconds: float, confirmations: Sequence[float], ceiling: float) -> Decision:
-    """Credit ``claimed`` samples up to the smallest weight other peers saw and up to ``ceiling`` samples/s."""
-    confirmed = int(min(confirmations)) if confirmations else 0
-    plausible = int(ceiling * seconds)
-    credited = max(min(claimed, confirmed, plausible), 0)
-    reasons = []
-    if not confirmations and claimed:
-        reasons.append(ALONE)
-    elif confirmed < claimed:
-        reasons.append(f"claimed {claimed:,} samples, the peers that averaged with it saw {confirmed:,}")
+def view_of(weight: float, claimed: int) -> int:
+    """What a receipt says of a claim, in samples: its weight, counted up to the claim (seeing more is no dispute)."""
+    return min(max(int(round(weight)), 0), claimed)
+
+
+def decide(claimed: int, observed_seconds: float, seen_by: Mapping[str, float], ceiling: float, *,
+           round_formed: bool = True, members_listed: bool = True, others_in_round: int = 0,
+           own_account: Sequence[float] = (), username: str = "") -> Decision:
+    """Credit ``claimed`` samples as the claimant and the other users of its round agree, up to ``ceiling``
+    samples/s over ``observed_seconds``.
+
+    :param seen_by: other user -> what their peers, members of the round, saw of this claim (weight in samples)
+    :param round_formed: the claim names a round; ``members_listed``: its record lists the round's members
+    :param others_in_round: other users among the listed members (for the words when none confirmed)
+    :param own_account: what peers of the claimant's own account said they saw (counts for nothing, named)
+    """
+    if claimed <= 0:
+        return Decision(0, 0, None)
+    plausible = int(ceiling * max(observed_seconds, 0.0))
+    views = {user: view_of(weight, claimed) for user, weight in seen_by.items()}
+    reasons, agreed, disputed = [], None, False
+    if views:
+        votes = Counter(views.values())
+        votes[claimed] += 1  # the claimant's own word
+        value, count = max(votes.items(), key=lambda item: (item[1], -item[0]))
+        if 2 * count > len(views) + 1:
+            agreed = supported = value
+            if value < claimed:
+                agreeing = sum(1 for view in views.values() if view == value)
+                reasons.append(f"claimed {claimed:,} samples, the peers that averaged with it saw {value:,} "
+                               f"({agreeing} of {len(views)} other volunteers agree)")
+        else:
+            disputed, supported = True, min(views.values())
+            if len(views) == 1:
+                reasons.append(f"disputed: claimed {claimed:,} samples, the peers that averaged with it saw "
+                               f"{supported:,}; with one other volunteer in the round an organizer decides")
+            else:
+                seen = ", ".join(f"{view:,}" for view in sorted(views.values()))
+                reasons.append(f"disputed: claimed {claimed:,} samples, the peers that averaged with it saw "
+                               f"{seen} and disagree; an organizer decides")
+        if own_account and max(own_account) > supported:
+            reasons.append(f"its own account's peers vouched for {int(max(own_account)):,}, which does not count")
+    else:
+        supported = 0
+        if not round_formed:
+            reasons.append(NO_ROUND)
+        elif not members_listed:
+            reasons.append(NO_MEMBERS)
+        elif own_account:
+            reasons.append(same_account(username or "its owner"))
+        elif others_in_round:
+            reasons.append(unfinished(others_in_round))
+        else:
+            reasons.append(ALONE)
+    credited = max(min(supported, plausible), 0)
     # an implausible rate is named even where receipts already hold the claim back: it tells the organizer why
-    if plausible < (min(claimed, confirmed) if confirmations else claimed):
-        rate = claimed / seconds if seconds > 0 else float("inf")
-        reasons.append(f"claimed {rate:,.0f} samples/s, ceiling is {ceiling:,.0f}")
-    return Decision(credited, claimed - credited, "; ".join(reasons) or None)
+    if plausible < (supported if views else claimed):
+        rate = claimed / observed_seconds if observed_seconds > 0 else float("inf")
+        reasons.append(f"claimed {claimed:,} samples in an epoch the coordinator saw last {observed_seconds:,.1f} s "
+                       f"({rate:,.0f} samples/s), ceiling is {ceiling:,.0f}")
+    reason = "; ".join(reasons) or None
+    return Decision(credited, claimed - credited, reason[:REASON_LENGTH] if reason else None, agreed, disputed)
 
 
 def _insert_ignore(session: Session, model, rows: list[dict], keys: list[str]) -> int:
@@ -72,15 +160,26 @@ def owners(session: Session, run: Run, peer_keys: Iterable[str]) -> dict[str, tu
     return found
 
 
+def users_of_peer_ids(session: Session, run: Run, peer_ids: Iterable[str]) -> dict[str, str]:
+    """PeerID -> username from the issued-token table (the first user a key was issued to)."""
+    found: dict[str, str] = {}
+    query = select(IssuedPeerToken.peer_id, IssuedPeerToken.username).where(
+        IssuedPeerToken.run_id == run.id, IssuedPeerToken.peer_id.in_(list(set(peer_ids)))
+    ).order_by(IssuedPeerToken.issued_at)
+    for peer_id, username in session.execute(query):
+        found.setdefault(peer_id, username)
+    return found
+
+
 def credit_epochs(session: Session, run: Run, seen: Sequence[SignedMetrics]) -> int:
-    """Record new claims and receipts, then settle every claim of the epochs they touch; returns new claims."""
+    """Record new claims and receipts, then settle every claim of the rounds they touch; returns new claims."""
     known = owners(session, run, (item.peer_key for item in seen))
     claims = {
         (item.peer_key, c.epoch): dict(
             run_id=run.id, peer_key=item.peer_key, epoch=c.epoch,
             username=known.get(item.peer_key, (item.record.username,))[0],
             samples=c.samples, loss_sum=c.loss_sum, mini_steps=c.mini_steps, seconds=c.seconds,
-            credited=0, held=c.samples, reason=ALONE, group_id=c.group,
+            credited=0, held=c.samples, reason=None, group_id=c.group, members=list(c.members),
         )
         for item in seen for c in item.record.recent
     }
@@ -93,38 +192,140 @@ def credit_epochs(session: Session, run: Run, seen: Sequence[SignedMetrics]) -> 
     record_peers(session, run, seen, known)
     new = _insert_ignore(session, Contribution, list(claims.values()), ["run_id", "peer_key", "epoch"])
     _insert_ignore(session, Receipt, list(receipts.values()), ["run_id", "aggregator_key", "group_id", "sender_peer_id"])
-    settle(session, run, {row["group_id"] for row in claims.values()} | {group for _, group, _ in receipts})
+    groups = {row["group_id"] for row in claims.values()} | {group for _, group, _ in receipts}
+    settle(session, run, groups, ungrouped=[key for key, row in claims.items() if not row["group_id"]])
     session.commit()
     return new
 
 
-def settle(session: Session, run: Run, groups: set[str]) -> None:
-    """Re-decide every claim in the rounds ``groups`` that no organizer released, from all receipts known now."""
-    if not groups:
+def acknowledgements(session: Session, run: Run, peer_keys: Iterable[str]) -> dict[str, int]:
+    """peer key -> the newest epoch of its claims the database holds: what the coordinator acknowledges. Each
+    metrics record carries every claim its worker has not seen acknowledged, so all claims up to it are here."""
+    query = select(Contribution.peer_key, func.max(Contribution.epoch)).where(
+        Contribution.run_id == run.id, Contribution.peer_key.in_(list(set(peer_keys)))).group_by(Contribution.peer_key)
+    return {peer_key: int(epoch) for peer_key, epoch in session.execute(query)}
+
+
+def epoch_window(session: Session, run: Run, epoch: int) -> tuple[datetime, Optional[datetime]]:
+    """When ``epoch`` began at the earliest and ended at the latest, by the coordinator's clock: its last snapshot
+    before the swarm reached the epoch (else the run's creation), and its first snapshot past the epoch (None while
+    there is none). Snapshots where no peer was online say nothing."""
+    seen = (Snapshot.run_id == run.id, Snapshot.peers_online > 0)
+    began = session.scalar(select(func.min(Snapshot.taken_at)).where(*seen, Snapshot.epoch >= epoch))
+    ended = session.scalar(select(func.min(Snapshot.taken_at)).where(*seen, Snapshot.epoch > epoch))
+    before = select(func.max(Snapshot.taken_at)).where(*seen, Snapshot.epoch < epoch)
+    start = session.scalar(before.where(Snapshot.taken_at < began) if began is not None else before)
+    return as_utc(start if start is not None else run.created_at), as_utc(ended) if ended is not None else None
+
+
+def observed_seconds(window: tuple[datetime, Optional[datetime]], recorded_at: datetime) -> float:
+    """The epoch's length at most: from ``window``'s start to its end, or to when the claim was recorded if that
+    came first (the epoch was over by then)."""
+    start, ended = window
+    end = as_utc(recorded_at) if ended is None else min(ended, as_utc(recorded_at))
+    return max((end - start).total_seconds(), 0.0)
+
+
+def settle(session: Session, run: Run, groups: set[str], ungrouped: Sequence[tuple[str, int]] = ()) -> None:
+    """Re-decide every claim in the rounds ``groups`` (and the round-less claims ``ungrouped``, by (peer key,
+    epoch)) that no organizer released, from all receipts known now; keep their disputes in step."""
+    groups = sorted(group for group in groups if group)
+    columns = (Contribution.id, Contribution.peer_key, Contribution.group_id, Contribution.epoch, Contribution.samples,
+               Contribution.recorded_at, Contribution.credited, Contribution.held, Contribution.reason,
+               Contribution.members, Contribution.observed_seconds)
+    mine = (Contribution.run_id == run.id, Contribution.released_by.is_(None))
+    rows = list(session.execute(select(*columns).where(*mine, Contribution.group_id.in_(groups)))) if groups else []
+    if ungrouped:
+        rows += session.execute(select(*columns).where(
+            *mine, Contribution.group_id == "", tuple_(Contribution.peer_key, Contribution.epoch).in_(list(ungrouped))))
+    if not rows:
         return
-    groups = list(groups)
-    rows = session.execute(select(
-        Contribution.id, Contribution.peer_key, Contribution.group_id, Contribution.samples, Contribution.seconds,
-        Contribution.credited, Contribution.held, Contribution.reason,
-    ).where(Contribution.run_id == run.id, Contribution.group_id.in_(groups), Contribution.released_by.is_(None))).all()
     seen_by: dict[tuple[str, str], list[tuple[str, float]]] = {}
-    receipts = select(Receipt.group_id, Receipt.sender_peer_id, Receipt.aggregator_key, Receipt.weight).where(
-        Receipt.run_id == run.id, Receipt.group_id.in_(groups))
-    for group, sender, aggregator, weight in session.execute(receipts):
-        seen_by.setdefault((group, sender), []).append((aggregator, weight))
-    known = owners(session, run, (row.peer_key for row in rows))
-    changes = []
+    if groups:
+        receipts = select(Receipt.group_id, Receipt.sender_peer_id, Receipt.aggregator_key, Receipt.weight).where(
+            Receipt.run_id == run.id, Receipt.group_id.in_(groups))
+        for group, sender, aggregator, weight in session.execute(receipts):
+            seen_by.setdefault((group, sender), []).append((aggregator, weight))
+    known = owners(session, run, {row.peer_key for row in rows} | {
+        aggregator for found in seen_by.values() for aggregator, _ in found})
+    member_users = users_of_peer_ids(session, run, {member for row in rows for member in (row.members or ())})
+    windows = {epoch: epoch_window(session, run, epoch) for epoch in {row.epoch for row in rows}}
+    changes, disputes = [], {}
     for row in rows:
+        window = observed_seconds(windows[row.epoch], row.recorded_at)
         if row.peer_key not in known:
             decision = Decision(0, row.samples, NO_TOKEN)
         else:
-            confirmations = [weight for aggregator, weight in seen_by.get((row.group_id, known[row.peer_key][1]), [])
-                             if aggregator != row.peer_key and row.group_id]
-            decision = decide(row.samples, row.seconds, confirmations, run.samples_per_second_ceiling)
-        if (decision.credited, decision.held, decision.reason) != (row.credited, row.held, row.reason):
-            changes.append(dict(id=row.id, credited=decision.credited, held=decision.held, reason=decision.reason))
+            decision = _decide_row(row, known, member_users, seen_by, run, window, disputes)
+        now = (decision.credited, decision.held, decision.reason, window)
+        if now != (row.credited, row.held, row.reason, row.observed_seconds):
+            changes.append(dict(id=row.id, credited=decision.credited, held=decision.held, reason=decision.reason,
+                                observed_seconds=window))
     if changes:
         session.execute(update(Contribution), changes)
+    _keep_disputes(session, run, rows, disputes)
+
+
+def _decide_row(row, known, member_users, seen_by, run: Run, window: float, disputes: dict) -> Decision:
+    """One claim's decision; the disputes it raises go into ``disputes`` by (round, claim key, aggregator key)."""
+    username, peer_id = known[row.peer_key]
+    members = set(row.members or ())
+    counted, outsiders, own = [], [], []
+    for aggregator, weight in seen_by.get((row.group_id, peer_id), []) if row.group_id else []:
+        if aggregator == row.peer_key or aggregator not in known:
+            continue
+        author, author_peer_id = known[aggregator]
+        if author == username:
+            own.append(weight)
+        elif author_peer_id in members:
+            counted.append((aggregator, author, weight))
+        else:
+            outsiders.append((aggregator, author, weight))
+    voices: dict[str, list[float]] = {}
+    for _, author, weight in counted:
+        voices.setdefault(author, []).append(weight)
+    others = {member_users[m] for m in members if m in member_users} - {username}
+    decision = decide(row.samples, window, {author: statistics.median_low(weights) for author, weights in voices.items()},
+                      run.samples_per_second_ceiling, round_formed=bool(row.group_id), members_listed=bool(members),
+                      others_in_round=len(others), own_account=own, username=username)
+
+    def against(aggregator: str, author: str, weight: float, kind: str) -> None:
+        disputes[(row.group_id, row.peer_key, aggregator)] = dict(
+            run_id=run.id, group_id=row.group_id, epoch=row.epoch, claim_key=row.peer_key, claimant=username,
+            claimed=row.samples, aggregator_key=aggregator, author=author, seen=float(weight), kind=kind)
+
+    for aggregator, author, weight in counted:
+        view = view_of(weight, row.samples)
+        if decision.agreed is not None and view != decision.agreed:
+            against(aggregator, author, weight, OUTVOTED)
+        elif decision.disputed and view < row.samples:
+            against(aggregator, author, weight, UNRESOLVED)
+    if members:  # a claim from a worker that lists no members cannot tell who was there: nobody is blamed
+        for aggregator, author, weight in outsiders:
+            if view_of(weight, row.samples) < row.samples:
+                against(aggregator, author, weight, NOT_A_MEMBER)
+    return decision
+
+
+def _keep_disputes(session: Session, run: Run, rows, wanted: dict) -> None:
+    """Make the disputes of the settled claims exactly ``wanted``."""
+    claims = list({(row.group_id, row.peer_key) for row in rows})
+    existing = {}
+    for chunk in range(0, len(claims), 500):
+        query = select(Dispute).where(Dispute.run_id == run.id,
+                                      tuple_(Dispute.group_id, Dispute.claim_key).in_(claims[chunk:chunk + 500]))
+        existing.update({(d.group_id, d.claim_key, d.aggregator_key): d for d in session.scalars(query)})
+    gone = [d.id for key, d in existing.items() if key not in wanted]
+    if gone:
+        session.execute(delete(Dispute).where(Dispute.id.in_(gone)))
+    for key, values in wanted.items():
+        found = existing.get(key)
+        if found is None:
+            session.add(Dispute(**values))
+        elif (found.kind, found.seen, found.claimed, found.author) != (values["kind"], values["seen"],
+                                                                        values["claimed"], values["author"]):
+            found.kind, found.seen, found.claimed, found.author = (values["kind"], values["seen"], values["claimed"],
+                                                                   values["author"])
 
 
 def record_peers(session: Session, run: Run, seen: Sequence[SignedMetrics], known: dict) -> None:
