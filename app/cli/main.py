@@ -1,5 +1,5 @@
 """The ``dedloc`` command for operators and organizers: migrate, create-run, serve, coordinator, demo,
-export-stats.
+export-stats, ban, unban, set-ceiling.
 
 Errors end as one line on stderr and the exit code of the error class (``errors.py``).
 """
@@ -53,6 +53,11 @@ def build_parser() -> argparse.ArgumentParser:
         ban.add_argument("username")
         if verb == "ban":
             ban.add_argument("--reason", default="", help="shown to the user")
+
+    ceiling = commands.add_parser("set-ceiling", help="set a run's plausible samples per second per peer; claims "
+                                                      "held now are re-decided under it")
+    ceiling.add_argument("slug")
+    ceiling.add_argument("samples_per_second", type=float)
 
     export = commands.add_parser("export-stats", help="write the public stats dumps (users and teams, JSON and "
                                                       "CSV, gzip); the portal serves DATA_DIR/stats under /stats/")
@@ -161,6 +166,16 @@ def cmd_unban(args, settings: Settings) -> None:
     print(f"{args.username} may join {args.slug} again")
 
 
+def cmd_set_ceiling(args, settings: Settings) -> None:
+    from app.credit.review import change_ceiling
+    from app.runs import registry
+
+    with open_session(settings) as session:
+        redecided = change_ceiling(session, registry.get_run(session, args.slug), args.samples_per_second)
+    print(f"run {args.slug!r}: ceiling {args.samples_per_second:,g} samples/s per peer; {redecided} held claims "
+          "re-decided")
+
+
 def cmd_export_stats(args, settings: Settings) -> None:
     from app.credit.stats_export import export_stats, stats_dir
 
@@ -203,6 +218,7 @@ COMMANDS = {
     "issue-credential": cmd_issue_credential,
     "ban": cmd_ban,
     "unban": cmd_unban,
+    "set-ceiling": cmd_set_ceiling,
     "export-stats": cmd_export_stats,
     "serve": cmd_serve,
     "coordinator": cmd_coordinator,

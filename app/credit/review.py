@@ -1,4 +1,5 @@
-"""Organizers' review of held credit: what is held in a run and why, and releasing it.
+"""Organizers' review of held credit: what is held in a run and why, the disputes behind it, releasing it, and the
+run's samples-per-second ceiling.
 
 A release is final: the row is credited in full (``credited = samples``), remembers who released it, and keeps
 its reason with "(released by X)" so the volunteer's page still tells the story.
@@ -9,11 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.core.errors import NotFound
-from app.models import Contribution, Run
+from app.core.errors import Invalid, NotFound
+from app.credit.settlement import NOT_A_MEMBER, OUTVOTED, UNRESOLVED, settle
+from app.models import Contribution, Dispute, Run
 
 REASON_LENGTH = Contribution.__table__.c.reason.type.length
 
@@ -66,3 +68,61 @@ def release_held(session: Session, *, run: Run, username: str, released_by: str,
     session.commit()
     return released
 
+
+
+@dataclass(frozen=True)
+class DisputedClaim:
+    """A claim held as disputed: no majority in its round. Both sides: what the claimant says, what the other
+    user's peer saw."""
+
+    claimant: str
+    epoch: int
+    claimed: int
+    author: str
+    seen: int
+
+
+@dataclass(frozen=True)
+class Disputer:
+    """A user whose receipts disagreed with a round's majority (``outvoted``) or came from outside the round
+    (``not_a_member``), and in how many claims."""
+
+    username: str
+    outvoted: int
+    not_a_member: int
+
+
+def disputed_claims(session: Session, run: Run, limit: int = 200) -> list[DisputedClaim]:
+    """Held claims without a majority in their round, newest epoch first, with the receipts against them."""
+    query = (select(Dispute.claimant, Dispute.epoch, Dispute.claimed, Dispute.author, Dispute.seen)
+             .join(Contribution, (Contribution.run_id == Dispute.run_id) & (Contribution.peer_key == Dispute.claim_key)
+                   & (Contribution.group_id == Dispute.group_id))
+             .where(Dispute.run_id == run.id, Dispute.kind == UNRESOLVED, Contribution.held > 0)
+             .order_by(Dispute.epoch.desc(), Dispute.claimant, Dispute.author).limit(limit))
+    return [DisputedClaim(claimant, epoch, claimed, author, int(round(seen)))
+            for claimant, epoch, claimed, author, seen in session.execute(query)]
+
+
+def disputers(session: Session, run: Run) -> list[Disputer]:
+    """Authors of receipts the crediting did not follow, most disputes first."""
+    query = (select(Dispute.author, Dispute.kind, func.count()).where(
+        Dispute.run_id == run.id, Dispute.kind.in_([OUTVOTED, NOT_A_MEMBER])).group_by(Dispute.author, Dispute.kind))
+    counts: dict[str, dict[str, int]] = {}
+    for author, kind, count in session.execute(query):
+        counts.setdefault(author, {})[kind] = int(count)
+    found = [Disputer(author, kinds.get(OUTVOTED, 0), kinds.get(NOT_A_MEMBER, 0)) for author, kinds in counts.items()]
+    return sorted(found, key=lambda item: (-(item.outvoted + item.not_a_member), item.username))
+
+
+def change_ceiling(session: Session, run: Run, samples_per_second: float) -> int:
+    """Set the run's plausible samples per second per peer, and re-decide every claim held now (and not released)
+    under it; claims settled from now on use it too. Returns the claims re-decided. ``Invalid`` unless positive."""
+    if not samples_per_second > 0 or samples_per_second == float("inf"):
+        raise Invalid("the samples-per-second ceiling must be a positive number")
+    run.samples_per_second_ceiling = float(samples_per_second)
+    held = session.execute(select(Contribution.group_id, Contribution.peer_key, Contribution.epoch).where(
+        Contribution.run_id == run.id, Contribution.held > 0, Contribution.released_by.is_(None))).all()
+    settle(session, run, {group for group, _, _ in held if group},
+           ungrouped=[(key, epoch) for group, key, epoch in held if not group])
+    session.commit()
+    return len(held)

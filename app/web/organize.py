@@ -44,13 +44,14 @@ def run_values(run: Run) -> dict[str, str]:
 
 
 def render(request: Request, run: Run, session, values: Optional[dict[str, str]] = None, error: str = "",
-           status_code: int = 200):
+           status_code: int = 200, ceiling_error: str = ""):
     return request.app.state.templates.TemplateResponse(request, "organize.html", {
         "run": run, "values": values or run_values(run), "settings_error": error,
         "organizers": registry.organizers(session, run),
         "policies": tokens.ADMISSION_POLICIES, "allowlist": tokens.allowlist(session, run),
         "bans": tokens.bans(session, run), "holders": tokens.token_holders(session, run),
-        "held": review.held_credit(session, run),
+        "held": review.held_credit(session, run), "disputed": review.disputed_claims(session, run),
+        "disputers": review.disputers(session, run), "ceiling_error": ceiling_error,
     }, status_code=status_code)
 
 
@@ -72,6 +73,20 @@ def change_settings(request: Request, run: RunDep, user: Organizer, session: Ses
                           checkpoints=json_object(checkpoints, "checkpoints"))
     except Invalid as e:  # the form again, as typed, with the reason
         return render(request, run, session, values, str(e), status_code=422)
+    return back(run)
+
+
+@router.post("/runs/{slug}/organize/ceiling", dependencies=[CsrfChecked])
+def change_ceiling(request: Request, run: RunDep, user: Organizer, session: SessionDep,
+                   ceiling: Annotated[str, Form(max_length=40)] = ""):
+    try:
+        value = float(ceiling.replace(",", "").replace("_", ""))
+    except ValueError:
+        value = float("nan")
+    try:
+        review.change_ceiling(session, run, value)
+    except Invalid as e:
+        return render(request, run, session, ceiling_error=f"{e} (got {ceiling!r})", status_code=422)
     return back(run)
 
 

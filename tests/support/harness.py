@@ -231,16 +231,9 @@ class Deployment:
             engine.dispose()
 
     def set_ceiling(self, samples_per_second: float) -> None:
-        """What an organizer would set: the run's plausible samples/s per peer."""
-        from app.models import Run
-
-        engine = make_engine(self.database_url)
-        try:
-            with make_sessionmaker(engine)() as session:
-                session.query(Run).filter_by(slug=self.slug).update({"samples_per_second_ceiling": samples_per_second})
-                session.commit()
-        finally:
-            engine.dispose()
+        """What an organizer does: the run's plausible samples/s per peer (``dedloc set-ceiling``)."""
+        done = self.cli("set-ceiling", self.slug, str(samples_per_second))
+        assert done.returncode == 0, done.stderr
 
     def held_reasons(self) -> dict[str, list[str]]:
         engine = make_engine(self.database_url)

@@ -1,0 +1,258 @@
+"""Crediting against cheaters, on a real database (SQLite and PostgreSQL): one user's peers vouching for each
+other (Sybil), receipts that zero other people's rounds (griefing), claims of more time than the epoch had (time
+liar), and properties of the decision under any receipts one user can publish. Every attack comes with a control
+that the same rules credit."""
+
+from __future__ import annotations
+
+import itertools
+from datetime import timedelta
+
+import pytest
+from fastapi.testclient import TestClient
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from app.cli.main import main as dedloc
+from app.core.clock import utcnow
+from app.core.config import Settings
+from app.core.database import make_engine, make_sessionmaker, migrate
+from app.credit import review
+from app.credit.ledger import leaderboard
+from app.credit.settlement import credit_epochs, decide
+from app.models import Contribution, Dispute, Snapshot
+from app.runs import registry
+from app.web.main import create_app
+from tests.support.credit import Peer, aged_run, claim, totals
+from tests.support.portal import form_token
+
+
+def disputes_by_author(session, run) -> dict[str, list[tuple[str, str]]]:
+    """author -> [(claimant, kind)] of the run's disputes."""
+    found: dict[str, list[tuple[str, str]]] = {}
+    for d in session.query(Dispute).filter_by(run_id=run.id).order_by(Dispute.claimant, Dispute.id):
+        found.setdefault(d.author, []).append((d.claimant, d.kind))
+    return found
+
+
+def reasons(session, run, username: str) -> list[str]:
+    return [r for (r,) in session.query(Contribution.reason).filter_by(run_id=run.id, username=username)
+            if r is not None]
+
+
+def round_of(group: str, epoch: int, sent: dict, seen_by: dict | None = None, claims: dict | None = None):
+    """Records of one all-reduce round: ``sent`` maps each member Peer to the weight it really averaged with;
+    every member aggregates every other's part and reports what it saw (``seen_by[aggregator][sender]`` overrides
+    it) and claims what it sent (``claims[peer]`` overrides it)."""
+    seen_by, claims = seen_by or {}, claims or {}
+    members = sorted(peer.peer_id for peer in sent)
+    records = []
+    for peer in sent:
+        aggregated = {other.peer_id: float(seen_by.get(peer, {}).get(other, weight))
+                      for other, weight in sent.items() if other is not peer}
+        records.append(peer.record(claim(epoch, claims.get(peer, sent[peer]), group, {group: aggregated}, members)))
+    return records
+
+
+def test_one_users_peers_cannot_vouch_for_each_other(sessions, tmp_path):
+    """Sybil: mallory's two peers confirm each other's inflated claims. Alone together they are held with the
+    reason named; with carol in the round she decides what they sent. carol's and dave's credit is what they
+    claimed, exactly as in the control run without mallory's lies."""
+    with sessions() as session:
+        outcomes = {}
+        for slug, lie in (("control", 1), ("sybil", 10)):
+            run = aged_run(session, slug)
+            m1, m2 = Peer(session, run, "mallory", tmp_path, 0), Peer(session, run, "mallory", tmp_path, 1)
+            carol, dave = Peer(session, run, "carol", tmp_path, 2), Peer(session, run, "dave", tmp_path, 3)
+            # a round of mallory's peers only; then a round with carol; then carol and dave
+            alone = round_of("m-only", 1, {m1: 100, m2: 100}, claims={m1: 100 * lie, m2: 100 * lie},
+                             seen_by={m1: {m2: 100 * lie}, m2: {m1: 100 * lie}})
+            mixed = round_of("mixed", 2, {m1: 100, m2: 100, carol: 300}, claims={m1: 100 * lie, m2: 100 * lie},
+                             seen_by={m1: {m2: 100 * lie}, m2: {m1: 100 * lie}})
+            honest = round_of("honest", 3, {carol: 200, dave: 250})
+            credit_epochs(session, run, alone + mixed + honest)
+            outcomes[slug] = totals(session, run)
+            if slug == "sybil":
+                alone_rows = session.query(Contribution).filter_by(run_id=run.id, username="mallory", epoch=1).all()
+                assert [(row.credited, row.held) for row in alone_rows] == [(0, 1000), (0, 1000)]
+                assert all(row.reason.startswith("only peers of the same account (mallory) confirmed these samples")
+                           for row in alone_rows)
+                mixed_rows = session.query(Contribution).filter_by(run_id=run.id, username="mallory", epoch=2).all()
+                assert [(row.credited, row.held) for row in mixed_rows] == [(100, 900), (100, 900)]
+                assert all("its own account's peers vouched for 1,000, which does not count" in row.reason
+                           for row in mixed_rows)
+                assert disputes_by_author(session, run) == {"carol": [("mallory", "unresolved")] * 2}
+    # the control: the same rounds told truthfully credit everything a round of other users confirmed
+    assert outcomes["control"] == {"mallory": (200, 200), "carol": (500, 0), "dave": (250, 0)}
+    assert outcomes["sybil"] == {"mallory": (200, 2000 + 1800), "carol": (500, 0), "dave": (250, 0)}
+
+
+def test_receipts_against_other_peoples_rounds_cut_nothing_and_are_held_against_their_author(sessions, tmp_path):
+    """Griefing: gary publishes weight-0 receipts for a round he was not in, and as a member of another round.
+    Everyone else's credit is what the control run credits; gary is recorded as disputing. With gary the only
+    other volunteer in erin's round, her claim is held as disputed and both sides are shown to organizers."""
+    with sessions() as session:
+        outcomes = {}
+        for slug, grief in (("control", False), ("grief", True)):
+            run = aged_run(session, slug)
+            alice, bob = Peer(session, run, "alice", tmp_path, 0), Peer(session, run, "bob", tmp_path, 1)
+            carol, dave = Peer(session, run, "carol", tmp_path, 2), Peer(session, run, "dave", tmp_path, 3)
+            erin, gary = Peer(session, run, "erin", tmp_path, 4), Peer(session, run, "gary", tmp_path, 5)
+            zero = lambda *victims: {gary: {victim: 0 for victim in victims}} if grief else {}  # noqa: E731
+            records = round_of("g1", 1, {alice: 300, bob: 200})
+            records += round_of("g2", 1, {carol: 150, dave: 120, gary: 90}, seen_by=zero(carol, dave))
+            records += round_of("g3", 2, {erin: 80, gary: 70}, seen_by=zero(erin))
+            if grief:  # a round gary was not in: its group ids are public in everyone's records
+                records.append(gary.record(claim(3, 0, "", {"g1": {alice.peer_id: 0.0, bob.peer_id: 0.0}})))
+            credit_epochs(session, run, records)
+            outcomes[slug] = totals(session, run)
+            if grief:
+                assert disputes_by_author(session, run) == {"gary": [
+                    ("alice", "not a member"), ("bob", "not a member"), ("carol", "outvoted"), ("dave", "outvoted"),
+                    ("erin", "unresolved")]}
+                assert review.disputers(session, run) == [review.Disputer("gary", outvoted=2, not_a_member=2)]
+                assert review.disputed_claims(session, run) == [review.DisputedClaim("erin", 2, 80, "gary", 0)]
+                [held] = reasons(session, run, "erin")
+                assert held.startswith("disputed: claimed 80 samples, the peers that averaged with it saw 0")
+                # the organizer believes erin: released, she has it all, and the dispute leaves the list
+                review.release_held(session, run=run, username="erin", released_by="olivia")
+                assert totals(session, run)["erin"] == (80, 0) and review.disputed_claims(session, run) == []
+            else:
+                assert disputes_by_author(session, run) == {}
+    assert outcomes["control"] == {"alice": (300, 0), "bob": (200, 0), "carol": (150, 0), "dave": (120, 0),
+                                   "gary": (160, 0), "erin": (80, 0)}
+    assert outcomes["grief"] == {**outcomes["control"], "erin": (0, 80)}
+
+
+def add_snapshots(session, run, *points: tuple[float, int]) -> None:
+    """Snapshots the coordinator took ``seconds`` ago at swarm epoch ``epoch`` (with a peer online)."""
+    now = utcnow()
+    session.add_all(Snapshot(run_id=run.id, taken_at=now - timedelta(seconds=ago), peers_online=2,
+                             samples_per_second=0.0, epoch=epoch, samples_total=0) for ago, epoch in points)
+    session.commit()
+
+
+def test_the_ceiling_uses_the_time_the_coordinator_saw_not_the_claims_own(sessions, database_url, tmp_path,
+                                                                         monkeypatch):
+    """Time liar: lars's claim says its epoch took 1,000 s; the coordinator saw epoch 5 take 3 s at most (snapshots
+    at epoch 4, 5, 5, 6 one second apart). At 1,000 samples/s per peer, 3,000 of his 10,000 samples are credited
+    (receipts confirm all of them: he averaged with the inflated weight too). hana's 1,500 in the same epoch are
+    credited in full. Runtime counts credited epochs only, at most the time seen. An organizer's new ceiling
+    re-decides what is held (CLI and web)."""
+    with sessions() as session:
+        run = aged_run(session, "liar", samples_per_second_ceiling=1000)
+        lars, hana = Peer(session, run, "lars", tmp_path, 0), Peer(session, run, "hana", tmp_path, 1)
+        add_snapshots(session, run, (63, 4), (62, 5), (61, 5), (60, 6))
+        members = sorted([lars.peer_id, hana.peer_id])
+        credit_epochs(session, run, [
+            lars.record(claim(5, 10_000, "r5", {"r5": {hana.peer_id: 1500.0}}, members, seconds=1000.0)),
+            hana.record(claim(5, 1500, "r5", {"r5": {lars.peer_id: 10_000.0}}, members, seconds=3.0)),
+            # an epoch nobody confirmed: no credit, no runtime
+            hana.record(claim(7, 100, "r7", {}, [hana.peer_id], seconds=2.0)),
+        ])
+        assert totals(session, run) == {"lars": (3000, 7000), "hana": (1500, 100)}
+        [held] = reasons(session, run, "lars")
+        assert held == ("claimed 10,000 samples in an epoch the coordinator saw last 3.0 s (3,333 samples/s), "
+                        "ceiling is 1,000")
+        board = {row.username: row.runtime_seconds for row in leaderboard(session, run)}
+        assert board == {"lars": 3.0, "hana": 3.0}
+
+    # the organizer raises the ceiling from a shell: lars's held samples are re-decided under it
+    monkeypatch.setenv("DATABASE_URL", database_url)
+    monkeypatch.setenv("DEDLOC_DATA_DIR", str(tmp_path))
+    assert dedloc(["set-ceiling", "liar", "2000"]) == 0
+    with sessions() as session:
+        assert totals(session, registry.get_run(session, "liar"))["lars"] == (6000, 4000)
+    assert dedloc(["set-ceiling", "liar", "-5"]) != 0  # refused, nothing changes
+
+    # and on the organize page
+    app = create_app(Settings(database_url=database_url, data_dir=tmp_path, organizers=["olivia"]))
+    with TestClient(app) as olivia:
+        page = olivia.get("/signin")
+        olivia.post("/signin/dev", data={"username": "olivia", "csrf": form_token(page.text)})
+        page = olivia.get("/runs/liar/organize").text
+        assert 'name="ceiling" value="2000"' in page
+        bad = olivia.post("/runs/liar/organize/ceiling", data={"csrf": form_token(page), "ceiling": "fast"})
+        assert bad.status_code == 422 and "must be a positive number" in bad.text
+        done = olivia.post("/runs/liar/organize/ceiling", data={"csrf": form_token(page), "ceiling": "5,000"},
+                           follow_redirects=False)
+        assert done.status_code == 303
+    with sessions() as session:
+        run = registry.get_run(session, "liar")
+        assert run.samples_per_second_ceiling == 5000 and totals(session, run)["lars"] == (10_000, 0)
+
+
+# --- properties --------------------------------------------------------------------------------------------------
+
+views = st.dictionaries(st.sampled_from(["bob", "carol", "dave", "erin"]), st.floats(0, 5000), max_size=4)
+
+
+@settings(max_examples=300, deadline=None)
+@given(claimed=st.integers(0, 5000), seconds=st.floats(0, 10), seen_by=views,
+       own=st.lists(st.floats(0, 1e9), max_size=3), ceiling=st.floats(1, 1000))
+def test_a_decision_credits_no_more_than_another_user_saw_the_claim_or_the_ceiling(claimed, seconds, seen_by, own,
+                                                                                ceiling):
+    decision = decide(claimed, seconds, seen_by, ceiling, own_account=own)
+    assert decision.credited + decision.held == claimed and decision.credited >= 0
+    assert decision.credited <= int(ceiling * seconds)
+    assert decision.credited <= max((round(w) for w in seen_by.values()), default=0)
+    assert (decision.credited < claimed) == bool(decision.reason and decision.held)
+
+
+@pytest.fixture(scope="module")
+def shared_sessions(tmp_path_factory):
+    """One migrated SQLite database for every example of a property (a run per example)."""
+    url = f"sqlite:///{tmp_path_factory.mktemp('property') / 'db.sqlite3'}"
+    migrate(url)
+    engine = make_engine(url)
+    yield make_sessionmaker(engine)
+    engine.dispose()
+
+
+EXAMPLES = itertools.count()  # a run per example, named apart (hypothesis replays its random bits)
+attacker_peers = st.lists(st.fixed_dictionaries({
+    "sent": st.integers(0, 1000),  # the weight it really averaged with: what honest aggregators see
+    "claim": st.integers(0, 100_000),
+    "inside": st.booleans(),  # a member of the round (else it only publishes receipts for it)
+    "members": st.lists(st.integers(0, 5), max_size=6),  # whom its own record lists as members (indices)
+    "says": st.lists(st.integers(0, 100_000), min_size=6, max_size=6),  # its receipts for everyone
+}), min_size=1, max_size=3)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(honest=st.lists(st.integers(1, 1000), min_size=0, max_size=3), attacker=attacker_peers,
+       counter=st.randoms(use_true_random=False))
+def test_one_user_cannot_raise_their_credit_above_what_another_user_saw_nor_cut_an_honest_confirmed_claim(
+        shared_sessions, tmp_path_factory, honest, attacker, counter):
+    """Properties of credit_epochs for one round: honest users (one peer each) claim what they sent, list the
+    round's true members and report the true weights they saw; one attacker user with up to three peers claims,
+    lists and reports anything (from inside the round or outside it). Then no attacker claim is credited more than
+    an honest user saw it send, and every honest claim another honest user confirmed is credited in full."""
+    with shared_sessions() as session:
+        run = aged_run(session, f"p{next(EXAMPLES)}")
+        folder = tmp_path_factory.mktemp("keys")
+        # names of this example's own (token requests are limited per account and minute)
+        honest_peers = [Peer(session, run, f"h{i}-{run.slug}", folder, i) for i in range(len(honest))]
+        mallory = [Peer(session, run, f"mallory-{run.slug}", folder, 10 + j) for j in range(len(attacker))]
+        everyone = honest_peers + mallory
+        members = [p.peer_id for p in honest_peers] + [p.peer_id for p, a in zip(mallory, attacker) if a["inside"]]
+        sent = {p.peer_id: w for p, w in zip(honest_peers, honest)}
+        sent.update({p.peer_id: a["sent"] for p, a in zip(mallory, attacker) if a["inside"]})
+        records = []
+        for peer, weight in zip(honest_peers, honest):
+            seen = {other: float(w) for other, w in sent.items() if other != peer.peer_id}
+            records.append(peer.record(claim(1, weight, "r", {"r": seen}, sorted(members))))
+        for peer, a in zip(mallory, attacker):
+            listed = sorted({everyone[i % len(everyone)].peer_id for i in a["members"]} | {peer.peer_id})
+            said = {other.peer_id: float(a["says"][i]) for i, other in enumerate(everyone) if other is not peer}
+            records.append(peer.record(claim(1, a["claim"], "r", {"r": said}, listed)))
+        counter.shuffle(records)
+        credit_epochs(session, run, records)
+        rows = {row.peer_key: row for row in session.query(Contribution).filter_by(run_id=run.id)}
+        for peer, a in zip(mallory, attacker):
+            # honest aggregators saw the attacker's real weight, and only if it was in the round
+            ceiling = a["sent"] if a["inside"] and honest_peers else 0
+            assert rows[peer.key].credited <= min(ceiling, a["claim"]), (a, rows[peer.key].reason)
+        if len(honest_peers) >= 2:
+            for peer, weight in zip(honest_peers, honest):
+                assert (rows[peer.key].credited, rows[peer.key].held) == (weight, 0), rows[peer.key].reason
