@@ -56,3 +56,7 @@ def test_the_dashboard_of_a_running_demo_moves_without_a_reload(deployment, chro
         deployment.get("/api/v1/runs/demo/swarm")), 150, "the second demo's two workers online")
     again.send_signal(signal.SIGINT)
     assert again.wait(60) == 0
+    # Everything the demo's processes printed over a normal run and stop: expected events are one line each.
+    for name in ("demo", "demo-again"):
+        printed = (deployment.logs / f"{name}.log").read_text()
+        assert "left the swarm" in printed and "Traceback" not in printed, printed[-4000:]

@@ -22,7 +22,7 @@ from dedloc_worker.join import CREDENTIAL_ENV
 
 from app.core.config import Settings
 from app.core.errors import DedlocError
-from app.core.processes import spawn, stop
+from app.core.processes import spawn, stop_all
 
 DEMO_RUN = "demo"
 VOLUNTEERS = ["alice", "bob", "carol", "dave"]
@@ -124,6 +124,7 @@ def run_demo(settings: Settings, workers: int) -> None:
             check_alive(started)
     finally:
         print("stopping the demo...", flush=True)
-        for proc in reversed(started):  # workers leave first, then the coordinator, then the portal
-            stop(proc)
+        # Workers leave together first (each hands its last round over), then the coordinator and the portal.
+        stop_all(started[2:])
+        stop_all(started[:2])
         print("demo stopped; nothing left running", flush=True)

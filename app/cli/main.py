@@ -70,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator = commands.add_parser("coordinator", help="run a run's coordinator (bootstrap peer and monitor)")
     coordinator.add_argument("--run", required=True, help="the run's slug")
     coordinator.add_argument("--listen", help="multiaddr to listen on (default: as last time, else a free port)")
+    coordinator.add_argument("--verbose", action="store_true", help="show hivemind's own messages in full")
 
     demo = commands.add_parser("demo", help="portal, coordinator and two local workers, until Ctrl-C")
     demo.add_argument("--workers", type=int, default=2)
@@ -198,8 +199,11 @@ def cmd_serve(args, settings: Settings) -> None:
 
 
 def cmd_coordinator(args, settings: Settings) -> None:
+    from dedloc_worker.terminal import quiet
+
     from app.coordinator.node import CoordinatorNode
 
+    quiet(args.verbose)
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())

@@ -50,6 +50,16 @@ def stop(proc: subprocess.Popen, grace: float = 10.0, sig: int = signal.SIGTERM)
     return code
 
 
+def stop_all(procs: Sequence[subprocess.Popen], grace: float = 10.0, sig: int = signal.SIGTERM) -> None:
+    """End several processes at once: one signal to every leader, one shared ``grace``, then their groups."""
+    for proc in procs:
+        if proc.poll() is None:
+            proc.send_signal(sig)
+    deadline = time.monotonic() + grace
+    for proc in procs:
+        stop(proc, grace=max(deadline - time.monotonic(), 0.1), sig=sig)
+
+
 def kill_group(pgid: int, timeout: float = 5.0) -> None:
     """SIGKILL every member of the group and wait until none is left."""
     deadline = time.monotonic() + timeout

@@ -32,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the run's coordinator")
     join.add_argument("--report", type=Path, help="write this worker's contributions here as JSON on exit")
     join.add_argument("--state-out", type=Path, help="write the final model parameters here (torch.save) on exit")
+    join.add_argument("--verbose", action="store_true",
+                      help="show hivemind's own messages in full (tracebacks of expected events included)")
     join.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                       help="where to train: a CUDA GPU when there is one (auto), or force one")
     join.add_argument("--threads", type=int, help="CPU threads for torch (default: this machine's physical cores)")

@@ -33,8 +33,9 @@ def run_join(args, stop: threading.Event):
     import torch
 
     from dedloc_common.cleanup import end_descendants
-    from . import device
+    from . import device, terminal
 
+    terminal.quiet(args.verbose)  # before any hivemind process forks from this one
     placement = device.choose(args.device, args.threads)
     torch.set_num_threads(placement.threads)
     folder = Path(tempfile.mkdtemp(prefix="dedloc-worker-"))  # mode 0700: our key and token live here
@@ -49,12 +50,13 @@ def _join(args, stop, folder: Path, placement):
     from dedloc_common.tasks import run_files
 
     from .admission import AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, guard_handlers, to_access_token
+    from .claims import ClaimKeeper, ClaimOutbox
     from .identity import PeerIdentity
     from .planning import PlanFollower, link_report
     from .portal import RunWatch, fetch_join_info, measure_link, request_peer_token, wait_for_peers
     from .progress import ProgressDisplay
     from .receipts import ReceiptLog, note_own_rounds
-    from .records import add_record_validators
+    from .records import add_record_validators, use_outbox
     from .run_files import fetch_run_files
     from .tasks import build_task
     from .trainer import train
@@ -89,9 +91,14 @@ def _join(args, stop, folder: Path, placement):
     note_own_rounds(receipts)
     authorizer = RunAuthorizer(check, state, identity.private_key)
     dht = join_swarm(args, info, deadline, identity.identity_path, authorizer)
-    keeper = follower = watch = None
+    keeper = follower = watch = claims = signature = None
     try:
         signature = add_record_validators(dht, config.run_id, identity.private_key)
+        # Every claim stays in this peer's metrics record, kept alive, until the coordinator acknowledges it.
+        outbox = ClaimOutbox(receipts)
+        use_outbox(signature, outbox)
+        claims = ClaimKeeper(dht, config.run_id, signature, check, outbox)
+        claims.start()
         coordinators = lambda: fetch_join_info(args.portal, args.run).initial_peers  # noqa: E731
         keeper = AdmissionKeeper(dht, config.run_id, state, check, signature, lambda: refresh().token, stop,
                                  coordinators=coordinators)
@@ -116,9 +123,11 @@ def _join(args, stop, folder: Path, placement):
         result.username, result.peer_id = username, identity.peer_id
         return result
     finally:
-        for thread in (watch, follower, keeper):
+        for thread in (watch, follower, keeper, claims):
             if thread is not None:
                 thread.halt()
+        if signature is not None:
+            use_outbox(signature, None)
         dht.shutdown()
 
 

@@ -1,0 +1,69 @@
+"""A quiet terminal: hivemind's messages about expected events (a round that did not form, a part that arrived
+late, a peer that left) become one line that says what happens next; its shutdown noise is dropped.
+``--verbose`` keeps everything as hivemind writes it.
+
+Installed before the DHT and the averagers start: their processes are forked from this one and inherit it.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+
+NO_GROUP = ("no averaging group formed this round (the other peers were busy or gone); this step uses this "
+            "peer's own gradients, and the next round tries again")
+# Messages whose text says all there is to say about an expected event: (pattern, one line or None to drop).
+EXPECTED = [
+    (re.compile(r"Averaging step failed: could not find a group"), NO_GROUP),
+    (re.compile(r"Another look_for_group is already in progress"), None),
+    (re.compile(r"Reducer: received ([\d.]+)% of input tensors"),
+     r"an aggregated part got \1% of its senders' gradients in time; it averaged those"),
+    (re.compile(r"Averaging: received ([\d.]+)% results"),
+     r"\1% of the averaged gradient came back in time; the rest of this round used this peer's own gradient"),
+    (re.compile(r"Failed to download state from \S+ - "),
+     "could not download the training state from one peer (it left, or answered too slowly); asking another"),
+]
+# asyncio's complaints while hivemind's daemon connections close at exit: nothing is lost, nothing to do.
+SHUTDOWN_NOISE = re.compile(r"Task was destroyed but it is pending|cannot reuse already awaited coroutine|"
+                            r"Unhandled exception in client_connected_cb")
+
+
+class ExpectedEvents(logging.Filter):
+    """Rewrites expected events into one line, without the traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info and isinstance(record.exc_info[1], GeneratorExit):
+            return False  # a DHT coroutine closed because its caller stopped waiting: nothing failed
+        message = record.getMessage()
+        for pattern, line in EXPECTED:
+            match = pattern.search(message)
+            if match:
+                if line is None:
+                    return False
+                record.msg, record.args = match.expand(line), ()
+                record.exc_info = record.exc_text = record.stack_info = None
+                record.levelno, record.levelname = logging.WARNING, "WARN"
+                return True
+        return True
+
+
+class ShutdownNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        text = record.getMessage() + str(record.exc_info[1] if record.exc_info else "")
+        return SHUTDOWN_NOISE.search(text) is None
+
+
+def quiet(verbose: bool = False) -> None:
+    """Install the filters on hivemind's log handler and on asyncio's logger; ``verbose`` installs nothing."""
+    if verbose:
+        return
+    from hivemind.utils.logging import get_logger
+
+    get_logger("hivemind")  # hivemind creates its handler on first use
+    handlers = logging.getLogger("hivemind").handlers or logging.getLogger().handlers
+    for handler in handlers:
+        if not any(isinstance(f, ExpectedEvents) for f in handler.filters):
+            handler.addFilter(ExpectedEvents())
+    asyncio_logger = logging.getLogger("asyncio")
+    if not any(isinstance(f, ShutdownNoise) for f in asyncio_logger.filters):
+        asyncio_logger.addFilter(ShutdownNoise())
