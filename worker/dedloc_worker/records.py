@@ -1,4 +1,5 @@
-"""Signed DHT records of a run: hivemind's progress records, dedloc's metrics, tokens, denylist and plan.
+"""Signed DHT records of a run: hivemind's progress records, dedloc's metrics, tokens, denylist, plan and the
+coordinator's acknowledgements of claims.
 
 Writers sign with the process's RSA key (the record's subkey is the owner's public key, so no peer can overwrite
 another's record). Readers must register the same validators, or ``get`` on a signed key never resolves
@@ -7,6 +8,7 @@ another's record). Readers must register the same validators, or ``get`` on a si
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Dict, List, Optional
 
@@ -21,12 +23,24 @@ from google.protobuf.message import DecodeError
 from hivemind.proto.auth_pb2 import AccessToken
 
 from dedloc_common.contract import (
-    MetricsRecord, PlanRecord, denylist_key, denylist_payload, metrics_key, plan_key, plan_payload, progress_key,
-    peer_key_of_subkey, tokens_key,
+    AckRecord, MetricsRecord, PlanRecord, ack_key, ack_payload, denylist_key, denylist_payload, metrics_key, plan_key,
+    plan_payload, progress_key, peer_key_of_subkey, tokens_key,
 )
 
-# How long a metrics record lives in the DHT (seconds): long enough for a coordinator restart to catch up.
+# How long a metrics record lives in the DHT (seconds) after its last publication. A worker republishes its record
+# while claims in it wait for the coordinator's acknowledgement (dedloc_worker.claims), so an outage longer than
+# this loses nothing; DEDLOC_METRICS_TTL changes it (tests shorten it), for the coordinator's acknowledgements too.
 METRICS_TTL = 300.0
+METRICS_TTL_ENV = "DEDLOC_METRICS_TTL"
+
+
+def metrics_ttl() -> float:
+    """The metrics records' (and acknowledgements') lifetime in seconds: DEDLOC_METRICS_TTL, else METRICS_TTL."""
+    value = os.environ.get(METRICS_TTL_ENV, "")
+    try:
+        return max(float(value), 1.0) if value else METRICS_TTL
+    except ValueError:
+        return METRICS_TTL
 # Token and denylist records are republished every few seconds; they outlive a short outage.
 TOKEN_RECORD_TTL = 60.0
 
@@ -62,14 +76,38 @@ def add_record_validators(dht: DHT, run_id: str, private_key=None) -> RSASignatu
 
 
 
-def publish_metrics(dht: DHT, run_id: str, signature: RSASignatureValidator, record: MetricsRecord) -> bool:
-    """Store this peer's metrics record, signed with its key; True when the DHT accepted it."""
+# Claim outboxes (dedloc_worker.claims.ClaimOutbox) by the public key that signs the records: the training loop
+# calls publish_metrics with the record alone, and the outbox its process registered adds every claim the
+# coordinator has not acknowledged yet.
+_OUTBOXES: Dict[bytes, object] = {}
+
+
+def use_outbox(signature: RSASignatureValidator, outbox) -> None:
+    """Route this key's metrics records through ``outbox`` (None: stop)."""
+    if outbox is None:
+        _OUTBOXES.pop(signature.local_public_key, None)
+    else:
+        _OUTBOXES[signature.local_public_key] = outbox
+
+
+def publish_metrics(dht: DHT, run_id: str, signature: RSASignatureValidator, record: MetricsRecord,
+                    outbox=None) -> bool:
+    """Store this peer's metrics record, signed with its key; True when the DHT accepted it. With a claim outbox
+    (given, or registered with ``use_outbox``) the record carries every unacknowledged claim."""
+    outbox = outbox if outbox is not None else _OUTBOXES.get(signature.local_public_key)
+    if outbox is None:
+        return store_metrics(dht, run_id, signature, record)
+    with outbox.lock:  # one writer at a time: the newest record must be the one stored last
+        return outbox.published(store_metrics(dht, run_id, signature, outbox.outgoing(record)))
+
+
+def store_metrics(dht: DHT, run_id: str, signature: RSASignatureValidator, record: MetricsRecord) -> bool:
     return bool(
         dht.store(
             key=metrics_key(run_id),
             subkey=signature.local_public_key,
             value=record.dict(),
-            expiration_time=get_dht_time() + METRICS_TTL,
+            expiration_time=get_dht_time() + metrics_ttl(),
             return_future=False,
         )
     )
@@ -158,6 +196,39 @@ def read_plan(dht: DHT, run_id: str, check) -> Optional[PlanRecord]:
     """The newest plan signed by the run's authority, or None (two coordinators may both publish one)."""
     return _newest_authentic(dht, plan_key(run_id), PlanRecord, check,
                              lambda record: plan_payload(record.shares, record.predicted_seconds, record.issued_at))
+
+
+def publish_acks(dht: DHT, run_id: str, signature: RSASignatureValidator, acks: List[AckRecord],
+                 timeout: float = 10.0) -> int:
+    """Store the coordinator's acknowledgements (already signed by the run's authority), one DHT key per peer key,
+    under this coordinator's subkey; returns how many the DHT accepted."""
+    expiration = get_dht_time() + metrics_ttl()
+    futures = [dht.store(ack_key(run_id, ack.peer_key), ack.dict(), expiration, subkey=signature.local_public_key,
+                         return_future=True) for ack in acks]
+    accepted = 0
+    for future in futures:
+        try:
+            accepted += bool(future.result(timeout=timeout))
+        except Exception:  # a slow or failed store: the next poll publishes it again
+            continue
+    return accepted
+
+
+def read_ack(dht: DHT, run_id: str, peer_key: str, check) -> Optional[int]:
+    """The newest epoch up to which the run's coordinators acknowledged this peer key's claims, or None. Only the
+    authority's signature counts; the highest acknowledged epoch wins (acknowledgements only grow)."""
+    from dedloc_common.signing import verify
+
+    found = None
+    for value in _entries(dht, ack_key(run_id, peer_key)).values():
+        try:
+            record = AckRecord.parse_obj(value)
+        except pydantic_v1.ValidationError:
+            continue
+        if record.peer_key == peer_key and verify(check.authority, ack_payload(record.peer_key, record.epoch,
+                                                                                record.issued_at), record.signature):
+            found = record.epoch if found is None else max(found, record.epoch)
+    return found
 
 
 def _newest_authentic(dht: DHT, key: str, model, check, payload_of):
