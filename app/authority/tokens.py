@@ -9,7 +9,8 @@ from datetime import datetime, timedelta
 from cryptography.fernet import Fernet, InvalidToken
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from dedloc_common.contract import PeerToken, PeerTokenGrant, denylist_payload, peer_key_of, token_payload
+from dedloc_common.contract import (PeerToken, PeerTokenGrant, ack_payload, denylist_payload, peer_key_of,
+                                   token_payload)
 from dedloc_common.signing import load_public_openssh, new_private_key, peer_id_of, public_openssh, sign
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -187,6 +188,16 @@ def signed_denylist(session: Session, settings: Settings, run: Run) -> dict:
 def sign_plan(session: Session, settings: Settings, run: Run, payload: bytes) -> str:
     """The authority's signature over an averaging plan (``contract.plan_payload``), so workers can trust it."""
     return sign(authority_key(session, settings, run), payload)
+
+
+def signed_acks(session: Session, settings: Settings, run: Run, epochs: dict[str, int]) -> list[dict]:
+    """The coordinator's acknowledgements (``contract.AckRecord`` fields): every claim of each peer key up to its
+    epoch is in the database. Signed by the authority, so a worker drops a claim only on the run's word."""
+    if not epochs:
+        return []
+    key, issued_at = authority_key(session, settings, run), time.time()
+    return [{"peer_key": peer_key, "epoch": epoch, "issued_at": issued_at,
+             "signature": sign(key, ack_payload(peer_key, epoch, issued_at))} for peer_key, epoch in epochs.items()]
 
 
 def token_holders(session: Session, run: Run) -> list[tuple[str, int, datetime]]:

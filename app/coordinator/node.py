@@ -18,7 +18,9 @@ from dedloc_worker.admission import (AdmissionKeeper, AdmissionState, RunAuthori
                                     to_access_token)
 from dedloc_worker.errors import WorkerError
 from dedloc_worker.identity import persistent_key
-from dedloc_worker.records import add_record_validators, publish_denylist, publish_plan, read_metrics, read_progress
+from dedloc_common.contract import AckRecord
+from dedloc_worker.records import (add_record_validators, metrics_ttl, publish_acks, publish_denylist, publish_plan,
+                                   read_metrics, read_progress)
 from dedloc_worker.swarm import reach_peers
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -26,7 +28,7 @@ from app.runs import registry
 
 from app.authority import tokens
 from app.credit.ledger import SignedMetrics, samples_total
-from app.credit.settlement import credit_epochs, owners
+from app.credit.settlement import acknowledgements, credit_epochs, owners
 from app.core.config import Settings
 from app.core.database import make_engine, make_sessionmaker, migrate
 from app.core.clock import utcnow
@@ -66,6 +68,7 @@ class CoordinatorNode:
         self.listen = listen
         self.plans = PlanKeeper(settings, min_interval_s=settings.plan_interval)
         self.checkpointer = None
+        self.acked: dict[str, tuple[int, float]] = {}  # peer key -> (epoch acknowledged, when: time.monotonic())
 
     def serve(self, stop: threading.Event) -> None:
         folder = Path(tempfile.mkdtemp(prefix="dedloc-coordinator-"))
@@ -180,6 +183,7 @@ class CoordinatorNode:
                 run = registry.get_run(session, self.run.slug)  # fresh: organizers change bans and the ceiling live
                 denylist = tokens.signed_denylist(session, self.settings, run)
                 credit_epochs(session, run, metrics)
+                acks = tokens.signed_acks(session, self.settings, run, self._acks_due(session, run, metrics))
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
                 self._offer_checkpoint(run, fields["epoch"])
                 record_snapshot(session, self.run, **fields)
@@ -194,6 +198,19 @@ class CoordinatorNode:
         publish_denylist(dht, self.config.run_id, self.signature, denylist)
         if plan is not None:
             publish_plan(dht, self.config.run_id, self.signature, plan)
+        if acks:
+            publish_acks(dht, self.config.run_id, self.signature, [AckRecord(**ack) for ack in acks])
+            now = time.monotonic()
+            self.acked.update({ack["peer_key"]: (ack["epoch"], now) for ack in acks})
+
+    def _acks_due(self, session, run, metrics: list[SignedMetrics]) -> dict[str, int]:
+        """Peer keys whose records carry claims, with the newest epoch the database holds of theirs, where that is
+        news or the last acknowledgement published is a third of its lifetime old (workers keep every claim in
+        their record until an acknowledgement covers it)."""
+        stale = time.monotonic() - metrics_ttl() / 3
+        epochs = acknowledgements(session, run, (m.peer_key for m in metrics if m.record.recent))
+        return {key: epoch for key, epoch in epochs.items()
+                if self.acked.get(key, (-1, 0.0))[0] < epoch or self.acked[key][1] < stale}
 
     def _offer_checkpoint(self, run, epoch: int) -> None:
         if self.checkpointer is None or run.state == "finished":
