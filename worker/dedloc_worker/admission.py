@@ -255,10 +255,10 @@ class AdmissionKeeper(threading.Thread):
                     print(f"admission: {type(e).__name__}: {e}; retrying", flush=True)
             self.halted.wait(self.interval)
 
-    def halt(self) -> None:
-        """Stop before the DHT shuts down (the thread uses it)."""
+    def halt(self, timeout: float = 10.0) -> None:
+        """Stop before the DHT shuts down (the thread uses it); wait at most ``timeout`` seconds."""
         self.halted.set()
-        self.join(timeout=10)
+        self.join(timeout=timeout)
 
     def _refresh_if_needed(self) -> None:
         """Ask for a new token once half of the current one's life has passed."""

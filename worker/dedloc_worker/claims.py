@@ -129,7 +129,7 @@ class ClaimKeeper(threading.Thread):
             if self.outbox.record is not None and (shrank or due):
                 self.outbox.published(store_metrics(self.dht, self.run_id, self.signature, self.outbox.record))
 
-    def halt(self) -> None:
-        """Stop before the DHT shuts down (the thread uses it)."""
+    def halt(self, timeout: float = 10.0) -> None:
+        """Stop before the DHT shuts down (the thread uses it); wait at most ``timeout`` seconds."""
         self.halted.set()
-        self.join(timeout=10)
+        self.join(timeout=timeout)

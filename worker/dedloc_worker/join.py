@@ -12,6 +12,7 @@ from pathlib import Path
 from .errors import AdmissionError, SwarmError
 
 CREDENTIAL_ENV = "DEDLOC_WORKER_CREDENTIAL"  # for headless machines: a credential issued by the portal
+HALT_GRACE = 1.0  # seconds the background threads get to finish their DHT call before the DHT shuts down
 
 
 def obtain_credential(portal_url: str) -> str:
@@ -123,9 +124,13 @@ def _join(args, stop, folder: Path, placement):
         result.username, result.peer_id = username, identity.peer_id
         return result
     finally:
-        for thread in (watch, follower, keeper, claims):
-            if thread is not None:
-                thread.halt()
+        # All asked at once, then a shared grace: one thread inside a slow DHT read must not hold the others up.
+        threads = [thread for thread in (watch, follower, keeper, claims) if thread is not None]
+        for thread in threads:
+            thread.halt(timeout=0)
+        grace = time.monotonic() + HALT_GRACE
+        for thread in threads:
+            thread.join(max(grace - time.monotonic(), 0.0))
         if signature is not None:
             use_outbox(signature, None)
         dht.shutdown()

@@ -48,10 +48,10 @@ class PlanFollower(threading.Thread):
                     print(f"plan: {type(e).__name__}: {e}; retrying", flush=True)
             self.halted.wait(self.interval)
 
-    def halt(self) -> None:
-        """Stop before the DHT shuts down (the thread uses it)."""
+    def halt(self, timeout: float = 10.0) -> None:
+        """Stop before the DHT shuts down (the thread uses it); wait at most ``timeout`` seconds."""
         self.halted.set()
-        self.join(timeout=10)
+        self.join(timeout=timeout)
 
     def after_epoch(self, averager) -> LinkReport:
         """Apply a newer plan if one was read; returns the link report with the last round's figures."""

@@ -116,8 +116,9 @@ class RunWatch(threading.Thread):
                 continue
             self.state, self.target_epochs = config.state, config.target_epochs
 
-    def halt(self) -> None:
+    def halt(self, timeout: float = 0.0) -> None:
         self._halt.set()
+        self.join(timeout=timeout)
 
 
 def download_checkpoint(portal_url: str, checkpoint, folder) -> "Path":
