@@ -6,6 +6,7 @@
 2. The averaging emulation on network namespaces (``bench.emulate_averaging``, needs root; a "skipped" row
    elsewhere): ``averaging_emu.json``.
 3. Both side by side: ``averaging.json`` (a list of rows with ``mode`` "sim" or "emu") and ``averaging.md``.
+4. Training throughput, a swarm against solo processes (``bench.training``): ``training.json`` and ``training.md``.
 
 How each bench measures, and what the figures mean: docs/benchmarks.md.
 """
@@ -18,7 +19,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import emulate_averaging, simulate_averaging
+from bench import emulate_averaging, simulate_averaging, training
 from bench.emulate_averaging import ROUNDS
 
 RESULTS = Path("bench/results")
@@ -40,7 +41,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (RESULTS / "averaging.json").write_text(json.dumps(rows, indent=2) + "\n")
     (RESULTS / "averaging.md").write_text(markdown_table(rows))
     print(f"wrote {RESULTS / 'averaging.json'} and {RESULTS / 'averaging.md'}")
-    return 0
+    return training.main(["--out", str(RESULTS / "training.json")])
 
 
 def markdown_table(rows: Sequence[dict]) -> str:

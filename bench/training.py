@@ -1,0 +1,190 @@
+"""Training throughput: an N-peer swarm against N solo processes of the same task, threads and batch, on the same
+cores, in one run (docs/benchmarks.md#training).
+
+    python -m bench.training [--seconds 40] [--out bench/results/training.json]
+
+Solo: N processes train the task alone at once (no hivemind), each counting its samples over the window.
+Swarm: a portal (idle: workers ask it for their token at join, then only every half-hour), the run's coordinator
+and N workers on loopback; the swarm's rate is what it turns into optimizer steps: epochs completed over the
+window times the global batch. Efficiency = swarm / solo. Rows go to ``training.json`` and ``training.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+from app.cli.demo import DEMO_TASK, write_corpus
+from app.core.processes import spawn, stop_all
+from dedloc_common.contract import LOOPBACK_OPTIMIZER
+
+RESULTS = Path("bench/results")
+PEERS = 2
+BATCH = 16
+# Global batches large enough that a step is seconds of compute, as in real runs (the paper's 4096).
+TASKS = {
+    "tiny-lm": dict(task="tiny-lm", options={}, target_batch_size=4096, files=False),
+    "albert": dict(task="masked-lm", options=DEMO_TASK, target_batch_size=1024, files=True),
+}
+CONFIGS = [("tiny-lm", False, "none"), ("tiny-lm", True, "none"), ("tiny-lm", True, "fp16"), ("albert", True, "none")]
+
+
+def solo_rate(task: str, seconds: float, corpus: Path) -> float:
+    """Samples per second of PEERS solo processes training at once (their sum)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.training", "solo", task, str(seconds), str(corpus)],
+                              stdout=subprocess.PIPE, text=True) for _ in range(PEERS)]
+    return sum(float(proc.communicate(timeout=seconds + 300)[0].split()[-1]) for proc in procs)
+
+
+def solo_main(task_name: str, seconds: float, corpus: Path) -> None:
+    import torch
+
+    from dedloc_common.contract import RunConfig
+    from dedloc_worker.tasks import build_task
+
+    torch.set_num_threads(1)
+    spec = TASKS[task_name]
+    files = {}
+    if spec["files"]:
+        from app.runs import files as run_files
+        from dedloc_common.tasks import validate_task
+
+        options = validate_task(spec["task"], spec["options"])
+        stored = run_files.add_run_files(corpus / "solo-data" / str(os.getpid()), "solo", spec["task"], options,
+                                         {"train.txt": corpus / "train.txt", "eval.txt": corpus / "eval.txt"})
+        files = {f.name: run_files.path_of(corpus / "solo-data" / str(os.getpid()), "solo", f.name) for f in stored}
+    config = RunConfig(slug="solo", run_id="solo", task=spec["task"], task_options=spec["options"],
+                       target_batch_size=spec["target_batch_size"], batch_size=BATCH)
+    task = build_task(config, files)
+    optimizer = torch.optim.AdamW(task.model.parameters(), lr=1e-3)
+    for _ in range(3):  # warm up (first batches load data)
+        task.batch_loss(BATCH).backward()
+        optimizer.zero_grad()
+    samples, start = 0, time.monotonic()
+    while time.monotonic() - start < seconds:
+        task.batch_loss(BATCH).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        samples += BATCH
+    print(samples / (time.monotonic() - start))
+
+
+def swarm_rate(task_name: str, dpu: bool, compression: str, seconds: float, corpus: Path) -> dict:
+    spec = TASKS[task_name]
+    work = Path(tempfile.mkdtemp(prefix="dedloc-bench-"))
+    port = free_port()
+    env = {"DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(port), "DATABASE_URL": "",
+           "DEDLOC_POLL_INTERVAL": "1"}
+    url = f"http://127.0.0.1:{port}"
+    optimizer = {**LOOPBACK_OPTIMIZER, "delay_optimizer_step": dpu, "delay_grad_averaging": dpu,
+                 "compression": compression}
+    create = [sys.executable, "-m", "app.cli", "create-run", "bench", "--task", spec["task"], "--task-options",
+              json.dumps(spec["options"]), "--target-batch-size", str(spec["target_batch_size"]), "--batch-size",
+              str(BATCH), "--optimizer", json.dumps(optimizer), "--checkpoints", json.dumps({"every_epochs": 10**6})]
+    if spec["files"]:
+        create += ["--file", str(corpus / "train.txt"), "--file", str(corpus / "eval.txt")]
+    subprocess.run(create, env={**os.environ, **env}, check=True, capture_output=True)
+    quiet = dict(log=work / "bench.log", env=env)
+    started = [spawn([sys.executable, "-m", "app.cli", "serve"], **quiet),
+               spawn([sys.executable, "-m", "app.cli", "coordinator", "--run", "bench"], **quiet)]
+    try:
+        wait(lambda: httpx.get(f"{url}/api/v1/runs/bench/join").json()["initial_peers"], 90)
+        for index in range(PEERS):
+            credential = subprocess.run([sys.executable, "-m", "app.cli", "issue-credential", f"peer{index}"],
+                                        env={**os.environ, **env}, capture_output=True, text=True).stdout.strip()
+            started.append(spawn([sys.executable, "-m", "dedloc_worker", "join", url, "--run", "bench", "--threads",
+                                  "1", "--listen", "/ip4/127.0.0.1/tcp/0"],
+                                 log=work / f"peer{index}.log", env={**env, "DEDLOC_WORKER_CREDENTIAL": credential}))
+            if index == 0:  # one founder (docs/hivemind.md#state-checkpoints-and-resume)
+                wait(lambda: swarm(url)["epoch"] >= 1, 300)
+        wait(lambda: swarm(url)["peers_online"] >= PEERS, 300)
+        first = swarm(url)["epoch"]
+        wait(lambda: swarm(url)["epoch"] >= first + 1, 300)  # measure from an epoch boundary
+        begin, t0 = swarm(url)["epoch"], time.monotonic()
+        time.sleep(seconds)
+        wait(lambda: swarm(url)["epoch"] > begin, 300)
+        end, t1 = swarm(url)["epoch"], time.monotonic()
+        failed = sum(open(work / f"peer{i}.log").read().count("no averaging group formed") for i in range(PEERS))
+        return dict(swarm_samples_per_second=round((end - begin) * spec["target_batch_size"] / (t1 - t0), 1),
+                    epochs=end - begin, failed_rounds=failed)
+    finally:
+        stop_all(started[2:])
+        stop_all(started[:2])
+
+
+def swarm(url: str) -> dict:
+    return httpx.get(f"{url}/api/v1/runs/bench/swarm", timeout=10).json()
+
+
+def wait(check, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (httpx.HTTPError, KeyError, ValueError):
+            pass
+        time.sleep(0.5)
+    raise RuntimeError(f"the bench swarm did not get there within {timeout:.0f} s")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["# Training throughput: swarm vs solo", "",
+             f"Written by `python -m bench.training`: {PEERS} workers (one torch thread each) with the run's "
+             "coordinator and an idle portal, against", f"{PEERS} solo processes at once, batch {BATCH}, "
+             "same cores; window and method: docs/benchmarks.md#training.", "",
+             "| task | peers | dpu | compression | swarm samples/s | solo samples/s | efficiency | epochs | "
+             "failed rounds |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['task']} | {r['peers']} | {'on' if r['dpu'] else 'off'} | {r['compression']} | "
+              f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} | {r['efficiency']:.2f} | "
+              f"{r['epochs']} | {r['failed_rounds']} |" for r in rows]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    if argv is None and len(sys.argv) > 1 and sys.argv[1] == "solo":
+        solo_main(sys.argv[2], float(sys.argv[3]), Path(sys.argv[4]))
+        return 0
+    parser = argparse.ArgumentParser(prog="python -m bench.training")
+    parser.add_argument("--seconds", type=float, default=40.0, help="measurement window per configuration")
+    parser.add_argument("--out", type=Path, default=RESULTS / "training.json")
+    args = parser.parse_args(argv)
+    corpus = Path(tempfile.mkdtemp(prefix="dedloc-bench-corpus-"))
+    write_corpus(corpus)
+    rows, solo = [], {}
+    for task, dpu, compression in CONFIGS:
+        if task not in solo:
+            solo[task] = round(solo_rate(task, args.seconds, corpus), 1)
+        measured = swarm_rate(task, dpu, compression, args.seconds, corpus)
+        row = dict(task=task, peers=PEERS, dpu=dpu, compression=compression, solo_samples_per_second=solo[task],
+                   **measured)
+        row["efficiency"] = round(row["swarm_samples_per_second"] / row["solo_samples_per_second"], 3)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(rows, indent=2) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(rows))
+    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    return 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.exit(main())
