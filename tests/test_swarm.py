@@ -214,6 +214,13 @@ def test_two_coordinators_on_one_database_then_none_for_30_s_neither_lose_nor_do
     # dave aggregated parts of the trainers' gradients, as the plan's auxiliary peer, and claimed no samples
     assert any(c["aggregated"] for c in deployment.report("dave")["contributions"])
     assert expected["dave"] == 0 and expected["alice"] and expected["bob"]
+    # Rounds form: of the epochs both trainers took part in, few went into no averaging round (a count: on shared
+    # cores a round can still miss its group now and then; each such epoch is one line in the worker's output).
+    both = ({c["epoch"] for c in deployment.report("alice")["contributions"] if c["samples"]}
+            & {c["epoch"] for c in deployment.report("bob")["contributions"] if c["samples"]})
+    alone = [(name, c["epoch"]) for name in ("alice", "bob") for c in deployment.report(name)["contributions"]
+             if c["epoch"] in both and not c["group"]]
+    assert len(both) >= 10 and len(alone) <= max(2, len(both) // 10), (len(both), alone)
     # and some plan named him as auxiliary (the current one may not: a plan is replaced only when 5% faster)
     roles = [{peer["username"]: peer["role"] for peer in plan} for plan in deployment.plans()]
     assert any(named.get("dave") == "aux" for named in roles), roles

@@ -13,6 +13,7 @@ from app.models import Run
 from app.runs import snapshots
 
 RECENT_SNAPSHOTS = 120  # a few minutes at the coordinator's poll interval
+RECENT_CLAIMS = 500  # the newest (peer, epoch) claims behind the share of rounds that did not form
 
 
 class RunProgress(BaseModel):
@@ -26,13 +27,17 @@ class RunProgress(BaseModel):
     eta_seconds: Optional[float] = None
     eta_low_seconds: Optional[float] = None
     eta_high_seconds: Optional[float] = None
+    # Of the newest claims, how many went into no averaging round (hivemind found no group; the peer stepped alone).
+    claims_recent: int = 0
+    rounds_not_formed: int = 0
 
 
 def run_progress(session: Session, run: Run) -> RunProgress:
     recent = [s for s in snapshots.history(session, run, RECENT_SNAPSHOTS) if s.samples_per_second > 0]
     latest = snapshots.latest_snapshot(session, run)
     epoch = latest.epoch if latest is not None else 0
-    progress = RunProgress(state=run.state or "active", epoch=epoch, target_epochs=run.target_epochs)
+    progress = RunProgress(state=run.state or "active", epoch=epoch, target_epochs=run.target_epochs,
+                           **rounds_not_formed(session, run))
     if run.target_epochs is None:
         return progress
     progress.fraction_done = min(epoch / run.target_epochs, 1.0)
@@ -50,3 +55,15 @@ def run_progress(session: Session, run: Run) -> RunProgress:
     progress.eta_low_seconds = round(remaining / high, 1)  # faster swarm, sooner end
     progress.eta_high_seconds = round(remaining / low, 1)
     return progress
+
+
+def rounds_not_formed(session: Session, run: Run) -> dict:
+    """Among the newest claims with samples, those whose peer averaged with nobody (no round id)."""
+    from sqlalchemy import select
+
+    from app.models import Contribution
+
+    groups = session.scalars(select(Contribution.group_id).where(Contribution.run_id == run.id,
+                                                                 Contribution.samples > 0)
+                             .order_by(Contribution.epoch.desc(), Contribution.id.desc()).limit(RECENT_CLAIMS)).all()
+    return dict(claims_recent=len(groups), rounds_not_formed=sum(1 for group in groups if not group))

@@ -13,6 +13,7 @@ from fastapi.responses import FileResponse
 from app.credit import ledger, standings
 
 from app.runs import checkpoints, files, plans, registry, snapshots
+from app.runs.progress import RunProgress, run_progress
 from app.web.deps import RunDep, SessionDep, SettingsDep
 from app.web.schemas import RunOut, SwarmOut
 from app.web.views import current_swarm, run_out, swarm_out
@@ -120,3 +121,9 @@ def download_checkpoint(run: RunDep, session: SessionDep, settings: SettingsDep,
     ``from_pretrained`` after extraction), and the training state a resuming swarm starts from."""
     path = checkpoints.archive_of(session, settings.data_dir, run, epoch)
     return FileResponse(path, media_type="application/x-tar", filename=f"{run.slug}-epoch-{epoch}.tar")
+
+
+@router.get("/runs/{slug}/progress", response_model=RunProgress)
+def progress(run: RunDep, session: SessionDep):
+    """How far the run is from its target, the time left with a range, and how many recent rounds did not form."""
+    return run_progress(session, run)

@@ -1,0 +1,62 @@
+"""A run's progress to its target: steps done, time left with a range from the throughput's spread, and the share
+of recent rounds that did not form."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+
+from fastapi.testclient import TestClient
+
+from app.core.clock import utcnow
+from app.core.config import Settings
+from app.models import Contribution, Snapshot
+from app.runs import registry
+from app.runs.progress import run_progress
+from app.web.main import create_app
+
+
+def snapshot(run, epoch: int, speed: float, seconds_ago: float) -> Snapshot:
+    return Snapshot(run_id=run.id, taken_at=utcnow() - timedelta(seconds=seconds_ago), peers_online=2,
+                    samples_per_second=speed, epoch=epoch, loss=1.0, samples_total=0, samples_accumulated=0)
+
+
+def claim(run, epoch: int, peer: str, group: str) -> Contribution:
+    return Contribution(run_id=run.id, peer_key=peer, epoch=epoch, username=peer, samples=100, loss_sum=1.0,
+                        mini_steps=1, seconds=1.0, group_id=group)
+
+
+def test_time_left_has_a_range_from_the_throughputs_quartiles(sessions, database_url, tmp_path):
+    with sessions() as session:
+        run = registry.create_run(session, slug="goal", title="Goal", target_batch_size=1000, batch_size=10,
+                                  target_epochs=20)
+        # Throughput 100, 200, 300, 400 samples/s (quartiles 125 and 375, statistics.quantiles' default), epoch 10.
+        session.add_all([snapshot(run, 10, speed, 10 - i) for i, speed in enumerate([100, 200, 300, 400])])
+        session.add_all([claim(run, e, p, "" if (e, p) == (9, "b") else f"g{e}") for e in (8, 9) for p in "ab"])
+        session.commit()
+        progress = run_progress(session, run)
+        remaining = (20 - 10) * 1000
+        assert (progress.epoch, progress.target_epochs, progress.fraction_done) == (10, 20, 0.5)
+        assert progress.eta_seconds == round(remaining / 250, 1)
+        assert progress.eta_low_seconds < progress.eta_seconds < progress.eta_high_seconds
+        assert progress.eta_low_seconds == round(remaining / 375, 1)
+        assert progress.eta_high_seconds == round(remaining / 125, 1)
+        assert (progress.rounds_not_formed, progress.claims_recent) == (1, 4)
+
+        registry.set_state(session, run, "finished")
+        done = run_progress(session, run)
+        assert (done.state, done.fraction_done, done.eta_seconds) == ("finished", 1.0, 0.0)
+
+    with TestClient(create_app(Settings(database_url=database_url, data_dir=tmp_path))) as client:
+        answer = client.get("/api/v1/runs/goal/progress").json()
+        page = client.get("/runs/goal").text
+    assert answer["state"] == "finished" and answer["rounds_not_formed"] == 1
+    assert "Finished" in page and "1 of the last 4 peer-steps" in page
+
+
+def test_a_run_without_a_target_has_no_eta(sessions):
+    with sessions() as session:
+        run = registry.create_run(session, slug="open", title="Open")
+        session.add(snapshot(run, 3, 100.0, 1))
+        session.commit()
+        progress = run_progress(session, run)
+    assert progress.target_epochs is None and progress.eta_seconds is None and progress.fraction_done is None
