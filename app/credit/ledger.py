@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from datetime import datetime
 from typing import Iterable, Optional
 
-from dedloc_common.contract import MetricsRecord
+from dedloc_common.contract import MetricsRecord, UtcDateTime
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import Select, case, func, select
 from sqlalchemy.dialects import postgresql, sqlite
@@ -42,7 +41,7 @@ class LeaderboardEntry(BaseModel):
     peers: int
     held_samples: int = 0
     team: Optional[str] = None
-    last_seen: Optional[datetime] = None
+    last_seen: Optional[UtcDateTime] = None
 
 
 def only_public(query: Select, run: Optional[Run] = None) -> Select:

@@ -6,9 +6,9 @@ own totals.
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Optional
 
+from dedloc_common.contract import UtcDateTime
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
@@ -32,7 +32,7 @@ class Totals(BaseModel):
     held_samples: int
     runtime_seconds: float
     peers: int
-    last_seen: Optional[datetime]
+    last_seen: Optional[UtcDateTime]
 
 
 def totals_of(row) -> dict:

@@ -7,9 +7,9 @@ PeerID, key or address (a short fingerprint stands for each peer), and users hid
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Any, Optional
 
+from dedloc_common.contract import UtcDateTime
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -59,7 +59,7 @@ class PublicPlan(BaseModel):
     lower_bound_seconds: float
     measured_seconds: Optional[float]
     reason: str
-    created_at: datetime
+    created_at: UtcDateTime
 
 
 def current_plan(session: Session, run: Run) -> Optional[AveragingPlan]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from datetime import datetime
 from typing import Annotated, Optional
 
 from dedloc_common.contract import API_PREFIX, CheckpointInfo, JoinInfo, RunFile
@@ -15,10 +14,13 @@ from app.credit import ledger, standings
 from app.runs import checkpoints, files, plans, registry, snapshots
 from app.runs.progress import RunProgress, run_progress
 from app.web.deps import RunDep, SessionDep, SettingsDep
-from app.web.schemas import RunOut, SwarmOut
+from app.web.responses import BINARY, BUSY, UNKNOWN_RUN, error
+from app.web.schemas import RunOut, SwarmOut, UtcDateTimeIn
 from app.web.views import current_swarm, run_out, swarm_out
 
-router = APIRouter(prefix=API_PREFIX, tags=["api"])
+router = APIRouter(prefix=API_PREFIX, tags=["api"], responses=BUSY)
+# Epochs are 32-bit integers in the database (PostgreSQL's integer).
+MAX_EPOCH = 2**31 - 1
 
 
 @router.get("/runs", response_model=list[RunOut])
@@ -26,34 +28,34 @@ def list_runs(session: SessionDep):
     return [run_out(run) for run in registry.list_runs(session)]
 
 
-@router.get("/runs/{slug}", response_model=RunOut)
+@router.get("/runs/{slug}", response_model=RunOut, responses=UNKNOWN_RUN)
 def get_run(run: RunDep):
     return run_out(run)
 
 
-@router.get("/runs/{slug}/join", response_model=JoinInfo)
+@router.get("/runs/{slug}/join", response_model=JoinInfo, responses=UNKNOWN_RUN)
 def join(run: RunDep, session: SessionDep, settings: SettingsDep):
     """What a worker needs to join: the run config and the coordinators' addresses."""
     return registry.join_info(session, run, settings.coordinator_timeout)
 
 
-@router.get("/runs/{slug}/swarm", response_model=SwarmOut)
+@router.get("/runs/{slug}/swarm", response_model=SwarmOut, responses=UNKNOWN_RUN)
 def swarm(run: RunDep, session: SessionDep):
     return current_swarm(session, run)
 
 
-@router.get("/runs/{slug}/history", response_model=list[SwarmOut])
+@router.get("/runs/{slug}/history", response_model=list[SwarmOut], responses=UNKNOWN_RUN)
 def history(
     run: RunDep,
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=10_000, description="at most this many snapshots, newest kept")] = 500,
-    since: Annotated[Optional[datetime], Query(description="only snapshots after this ISO 8601 time")] = None,
+    since: Annotated[Optional[UtcDateTimeIn], Query(description="only snapshots after this RFC 3339 time")] = None,
 ):
     return [swarm_out(run, snapshot) for snapshot in snapshots.history(session, run, limit, since)]
 
 
 @router.get("/runs/{slug}/plan", response_model=plans.PublicPlan,
-            responses={404: {"description": "unknown run, or no plan published yet"}})
+            responses={404: error("unknown run, or no plan published yet")})
 def plan(run: RunDep, session: SessionDep):
     """The current averaging plan: each peer's role, share of the vector and measured Mbit/s (a short
     fingerprint of its key, no keys or addresses), and the predicted, measured and lower-bound round times."""
@@ -63,13 +65,13 @@ def plan(run: RunDep, session: SessionDep):
 Limit = Annotated[int, Query(ge=1, le=1000, description="at most this many rows, from the top")]
 
 
-@router.get("/runs/{slug}/leaderboard", response_model=list[ledger.LeaderboardEntry])
+@router.get("/runs/{slug}/leaderboard", response_model=list[ledger.LeaderboardEntry], responses=UNKNOWN_RUN)
 def leaderboard(run: RunDep, session: SessionDep, limit: Limit = 100):
     """Users by credited samples in this run, most first; users hidden from public boards are left out."""
     return ledger.leaderboard(session, run, limit)
 
 
-@router.get("/runs/{slug}/teams", response_model=list[standings.TeamEntry])
+@router.get("/runs/{slug}/teams", response_model=list[standings.TeamEntry], responses=UNKNOWN_RUN)
 def run_teams(run: RunDep, session: SessionDep, limit: Limit = 100):
     """Teams by their public members' credited samples in this run, most first."""
     return standings.team_leaderboard(session, run, limit)
@@ -88,25 +90,28 @@ def teams(session: SessionDep, limit: Limit = 100):
 
 
 @router.get("/users/{username}", response_model=standings.UserTotals,
-            responses={404: {"description": "unknown or hidden"}})
+            responses={404: error("unknown or hidden")})
 def user(session: SessionDep, username: Annotated[str, Path(max_length=100)]):
     """A user's public totals across runs and per run; 404 alike for unknown users and hidden ones."""
     return standings.user_totals(session, username)
 
 
-@router.get("/runs/{slug}/files", response_model=list[RunFile])
+@router.get("/runs/{slug}/files", response_model=list[RunFile], responses=UNKNOWN_RUN)
 def run_files(run: RunDep, settings: SettingsDep):
     """The files the run serves its workers: the organizer's data and the tokenizer trained at creation."""
     return files.listed(settings.data_dir, run.slug)
 
 
-@router.get("/runs/{slug}/files/{name}", response_class=FileResponse, responses={404: {"description": "no such file"}})
+@router.get("/runs/{slug}/files/{name}", response_class=FileResponse, responses={
+    200: {"content": {"application/octet-stream": {"schema": BINARY}},
+          "description": "the file"},
+    404: error("unknown run, or no such file")})
 def run_file(run: RunDep, settings: SettingsDep, name: Annotated[str, Path(pattern=FILE_NAME)]):
     return FileResponse(files.path_of(settings.data_dir, run.slug, name), media_type="application/octet-stream",
                         filename=name)
 
 
-@router.get("/runs/{slug}/checkpoints", response_model=list[CheckpointInfo])
+@router.get("/runs/{slug}/checkpoints", response_model=list[CheckpointInfo], responses=UNKNOWN_RUN)
 def list_checkpoints(run: RunDep, session: SessionDep, request: Request):
     """The run's stored checkpoints, newest first; ``url`` downloads one as a tar archive."""
     base = str(request.base_url).rstrip("/")
@@ -114,16 +119,18 @@ def list_checkpoints(run: RunDep, session: SessionDep, request: Request):
 
 
 @router.get("/runs/{slug}/checkpoints/{epoch}.tar", response_class=FileResponse,
-            responses={404: {"description": "no checkpoint at that epoch"}})
+            responses={200: {"content": {"application/x-tar": {"schema": BINARY}},
+                             "description": "the checkpoint's tar archive"},
+                       404: error("unknown run, or no checkpoint at that epoch")})
 def download_checkpoint(run: RunDep, session: SessionDep, settings: SettingsDep,
-                        epoch: Annotated[int, Path(ge=0)]):
+                        epoch: Annotated[int, Path(ge=0, le=MAX_EPOCH)]):
     """A checkpoint as one tar archive: config.json, model.safetensors, tokenizer files (they load with
     ``from_pretrained`` after extraction), and the training state a resuming swarm starts from."""
     path = checkpoints.archive_of(session, settings.data_dir, run, epoch)
     return FileResponse(path, media_type="application/x-tar", filename=f"{run.slug}-epoch-{epoch}.tar")
 
 
-@router.get("/runs/{slug}/progress", response_model=RunProgress)
+@router.get("/runs/{slug}/progress", response_model=RunProgress, responses=UNKNOWN_RUN)
 def progress(run: RunDep, session: SessionDep):
     """How far the run is from its target, the time left with a range, and how many recent rounds did not form."""
     return run_progress(session, run)

@@ -5,12 +5,15 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 from urllib.parse import quote
 
 from dedloc_common.contract import API_PREFIX
 from fastapi import APIRouter, Depends, Form, Query, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, RedirectResponse
+from fastapi.routing import APIRoute
+from pydantic import BaseModel, Field
 from starlette.concurrency import run_in_threadpool
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
@@ -23,6 +26,7 @@ from app.identity.models import User
 from app.core.config import Settings
 from app.core.clock import as_utc, utcnow
 from app.web.deps import SessionDep, SettingsDep
+from app.web.responses import BUSY, NEEDS_CREDENTIAL, VALIDATION_STATUS, DeviceGrantErrorOut
 
 router = APIRouter()
 DEVICE_GRANT_TYPE = "urn:ietf:params:oauth:grant-type:device_code"
@@ -155,47 +159,110 @@ def device_policy() -> DevicePolicy:
     return DevicePolicy()
 
 
-@router.post(f"{API_PREFIX}/device/code", tags=["device login"])
+class DeviceCodeOut(BaseModel):
+    """A started device login (RFC 8628, 3.2)."""
+
+    device_code: str = Field(description="what the worker polls the token endpoint with; never shown")
+    user_code: str = Field(description="what the person enters on verification_uri")
+    verification_uri: str
+    verification_uri_complete: str = Field(description="verification_uri with the user code filled in")
+    expires_in: int = Field(description="seconds the codes stay valid")
+    interval: int = Field(description="seconds to wait between two polls")
+
+
+class DeviceTokenForm(BaseModel):
+    """A poll of the token endpoint (RFC 8628, 3.4)."""
+
+    grant_type: Literal["urn:ietf:params:oauth:grant-type:device_code"]
+    device_code: str = Field(min_length=1, max_length=200, description="from the device code endpoint")
+    client_id: Optional[str] = Field(None, max_length=200, description="accepted and not checked: a public client")
+
+
+class DeviceTokenOut(BaseModel):
+    """The credential of an approved device login, handed out once."""
+
+    access_token: str = Field(description="send it as `Authorization: Bearer <access_token>`")
+    token_type: Literal["bearer"]
+    username: str
+
+
+class DeviceGrantRoute(APIRoute):
+    """A token endpoint answers malformed requests as RFC 6749 (5.2) says: 400 ``invalid_request`` or
+    ``unsupported_grant_type`` with the OAuth error body, not FastAPI's 422."""
+
+    def get_route_handler(self):
+        handler = super().get_route_handler()
+
+        async def answer(request: Request):
+            try:
+                return await handler(request)
+            except RequestValidationError as invalid:
+                problems = invalid.errors()
+                if any(p["loc"][-1:] == ("grant_type",) and p["type"] == "literal_error" for p in problems):
+                    raise DeviceGrantError("unsupported_grant_type", f"grant_type must be {DEVICE_GRANT_TYPE}")
+                reasons = "; ".join(f"{p['loc'][-1]}: {p['msg']}" for p in problems)
+                raise DeviceGrantError("invalid_request", reasons) from None
+
+        return answer
+
+
+async def device_grant_refused(request: Request, exc: DeviceGrantError):
+    return JSONResponse({"error": exc.error, "error_description": str(exc)}, status_code=400, headers=NO_STORE)
+
+
+@router.post(f"{API_PREFIX}/device/code", tags=["device login"], response_model=DeviceCodeOut,
+             responses=BUSY)
 def device_code(request: Request, session: SessionDep, policy: Annotated[DevicePolicy, Depends(device_policy)],
                 client_name: Annotated[Optional[str], Form(max_length=200)] = None):
     """Start a device login: show ``user_code`` and ``verification_uri`` to the person, then poll the token
     endpoint with ``device_code`` every ``interval`` seconds."""
     started = device.start_device_login(session, policy=policy, client_name=client_name)
     verification_uri = str(request.url_for("device_page"))
-    return JSONResponse({
-        "device_code": started.device_code,
-        "user_code": started.user_code,
-        "verification_uri": verification_uri,
-        "verification_uri_complete": f"{verification_uri}?user_code={started.user_code}",
-        "expires_in": started.expires_in,
-        "interval": started.interval,
-    }, headers=NO_STORE)
+    return JSONResponse(DeviceCodeOut(
+        device_code=started.device_code, user_code=started.user_code, verification_uri=verification_uri,
+        verification_uri_complete=f"{verification_uri}?user_code={started.user_code}",
+        expires_in=started.expires_in, interval=started.interval,
+    ).model_dump(), headers=NO_STORE)
 
 
-@router.post(f"{API_PREFIX}/device/token", tags=["device login"])
-def device_token(session: SessionDep, device_code: Annotated[str, Form(max_length=200)] = "",
-                 grant_type: Annotated[str, Form(max_length=100)] = DEVICE_GRANT_TYPE):
+def device_token(session: SessionDep, form: Annotated[DeviceTokenForm, Form()]):
     """Poll a device login: 200 ``{access_token, token_type, username}`` once approved, otherwise 400
-    ``{error, error_description}`` with RFC 8628's codes."""
-    try:
-        if grant_type != DEVICE_GRANT_TYPE:
-            raise DeviceGrantError("unsupported_grant_type", f"grant_type must be {DEVICE_GRANT_TYPE}")
-        if not device_code:
-            raise DeviceGrantError("invalid_request", "device_code is missing")
-        grant = device.poll_device_login(session, device_code=device_code)
-    except DeviceGrantError as e:
-        return JSONResponse({"error": e.error, "error_description": str(e)}, status_code=400, headers=NO_STORE)
-    return JSONResponse({"access_token": grant.access_token, "token_type": "bearer", "username": grant.username},
-                        headers=NO_STORE)
+    ``{error, error_description}`` with RFC 8628's codes (``authorization_pending`` until the person decides,
+    ``slow_down`` when polled faster than ``interval``, ``access_denied``, ``expired_token``), or RFC 6749's
+    (``invalid_grant``: unknown or used code; ``invalid_request``, ``unsupported_grant_type``: a malformed poll)."""
+    grant = device.poll_device_login(session, device_code=form.device_code)
+    return JSONResponse(DeviceTokenOut(access_token=grant.access_token, token_type="bearer",
+                                       username=grant.username).model_dump(), headers=NO_STORE)
 
 
-@router.get(f"{API_PREFIX}/me", tags=["device login"])
+router.add_api_route(
+    f"{API_PREFIX}/device/token", device_token, methods=["POST"], tags=["device login"],
+    response_model=DeviceTokenOut, route_class_override=DeviceGrantRoute,
+    responses={400: {"model": DeviceGrantErrorOut, "description": "no credential (yet): the RFC's error code"},
+               **BUSY},
+    openapi_extra={VALIDATION_STATUS: 400},
+)
+
+
+class WhoAmI(BaseModel):
+    username: str
+    organizer: bool = Field(description="may create runs on this portal")
+
+
+class Revoked(BaseModel):
+    revoked: bool = Field(description="false when the credential was revoked already")
+    username: str
+
+
+@router.get(f"{API_PREFIX}/me", tags=["device login"], response_model=WhoAmI,
+            responses={**NEEDS_CREDENTIAL, **BUSY})
 def me(user: ApiUser, settings: SettingsDep):
     """Who the bearer credential belongs to."""
     return {"username": user.username, "organizer": accounts.is_organizer(settings, user)}
 
 
-@router.delete(f"{API_PREFIX}/me/credential", tags=["device login"])
+@router.delete(f"{API_PREFIX}/me/credential", tags=["device login"], response_model=Revoked,
+               responses={**NEEDS_CREDENTIAL, **BUSY})
 def revoke_credential(user: ApiUser, secret: BearerSecret, session: SessionDep):
     """Revoke the bearer credential of this request (what `dedloc-worker logout` may call)."""
     return {"revoked": accounts.revoke_credential(session, secret), "username": user.username}

@@ -18,9 +18,10 @@ from starlette.requests import ClientDisconnect
 from app.core.errors import DedlocError, TooLarge
 from app.web.identity import ApiUser
 from app.web.deps import RunDep, SessionDep
+from app.web.responses import BINARY, BUSY, NEEDS_CREDENTIAL, UNKNOWN_RUN, error
 from app.web.schemas import ProbeReceipt
 
-router = APIRouter(prefix=API_PREFIX, tags=["api"])
+router = APIRouter(prefix=API_PREFIX, tags=["api"], responses={**BUSY, **NEEDS_CREDENTIAL, **UNKNOWN_RUN})
 
 TOO_LARGE = f"a link probe carries at most {LINK_PROBE_MAX_BYTES} bytes; send a smaller body"
 
@@ -42,7 +43,8 @@ Prober = Annotated[str, Depends(prober)]
 
 
 @router.get("/runs/{slug}/link-probe", response_class=Response,
-            responses={200: {"content": {"application/octet-stream": {}}, "description": "size random bytes"}})
+            responses={200: {"content": {"application/octet-stream": {"schema": BINARY}},
+                             "description": "size random bytes"}})
 def download_probe(run: RunDep, username: Prober, size: Annotated[int, Query(
         ge=1, le=LINK_PROBE_MAX_BYTES, description="bytes to send")]):
     """``size`` random bytes, never cached on the way (each transfer must cross the link)."""
@@ -51,7 +53,9 @@ def download_probe(run: RunDep, username: Prober, size: Annotated[int, Query(
 
 
 @router.post("/runs/{slug}/link-probe", response_model=ProbeReceipt,
-             responses={413: {"description": f"a body over {LINK_PROBE_MAX_BYTES} bytes"}})
+             openapi_extra={"requestBody": {"content": {"application/octet-stream": {"schema": BINARY}}}},
+             responses={400: error("the upload broke off before its end"),
+                        413: error(f"a body over {LINK_PROBE_MAX_BYTES} bytes")})
 async def upload_probe(request: Request, run: RunDep, username: Prober) -> ProbeReceipt:
     """Reads and discards the body; answers its length in bytes."""
     return ProbeReceipt(bytes=await count_body(request, LINK_PROBE_MAX_BYTES))

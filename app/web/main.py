@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -11,17 +12,20 @@ from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
+from fastapi.routing import iter_route_contexts
+from starlette.routing import Mount, compile_path
 
 from app.core.config import Settings
 from app.core.database import make_engine, make_sessionmaker
 from app.core.resources import static_dir, templates_dir
 from app.core.errors import DedlocError
 from app.web.identity import csrf_token
-from app.identity.errors import SignInRequired
+from app.identity.errors import DeviceGrantError, SignInRequired
 from app.identity.oidc import make_oauth
 from app.core.secrets import secret_key
 from app.web import auth_routes
 from app.web import api, join, link_probe, live, me, metrics, organize, pages, peer_tokens, run_forms, stats
+from app.web.responses import install_openapi
 
 
 def create_app(settings: Settings | None = None) -> FastAPI:
@@ -48,6 +52,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.state.oauth = make_oauth(settings)
     app.state.templates.env.globals["csrf_token"] = csrf_token
     app.add_exception_handler(SignInRequired, auth_routes.sign_in_first)
+    app.add_exception_handler(DeviceGrantError, auth_routes.device_grant_refused)
     app.include_router(auth_routes.router)
     # run_forms before pages: /runs/new is the form, not a run's dashboard
     for router in (api.router, peer_tokens.router, link_probe.router, live.router, metrics.router, join.router,
@@ -55,11 +60,28 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         app.include_router(router)
     app.add_api_route("/healthz", lambda: {"status": "ok"}, methods=["GET"], include_in_schema=False)
     add_error_handlers(app)
+    install_openapi(app)
     return app
 
 
 def wants_html(request: Request) -> bool:
     return not request.url.path.startswith("/api/") and "text/html" in request.headers.get("accept", "")
+
+
+def allowed_methods(app: FastAPI, request: Request) -> list[str]:
+    """Every method some route serves at this path (RFC 9110's ``Allow``): Starlette names only the methods of
+    the first route that matched the path, and a path may have one route per method, in several routers."""
+    table = getattr(app.state, "route_methods", None)
+    if table is None:
+        table = app.state.route_methods = []
+        for context in iter_route_contexts(app.routes):
+            route = context.original_route
+            if isinstance(route, Mount) and isinstance(route.app, StaticFiles):
+                table.append((re.compile(re.escape(context.path) + "/"), frozenset({"GET", "HEAD"})))
+            elif context.path and getattr(route, "methods", None):
+                table.append((compile_path(context.path)[0], frozenset(route.methods)))
+    path = request.scope.get("path", "")
+    return sorted({method for pattern, methods in table if pattern.match(path) for method in methods})
 
 
 def add_error_handlers(app: FastAPI) -> None:
@@ -87,7 +109,11 @@ def add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http_error(request: Request, exc: HTTPException):
-        return respond(request, exc.status_code, exc.detail)
+        response = respond(request, exc.status_code, exc.detail)
+        response.headers.update(exc.headers or {})
+        if exc.status_code == 405:
+            response.headers["Allow"] = ", ".join(allowed_methods(app, request))
+        return response
 
     @app.exception_handler(RequestValidationError)
     async def invalid_input(request: Request, exc: RequestValidationError):

@@ -8,11 +8,16 @@ from fastapi import APIRouter
 from app.authority import tokens
 from app.web.identity import ApiUser
 from app.web.deps import RunDep, SessionDep, SettingsDep
+from app.web.responses import BUSY, NEEDS_CREDENTIAL, RETRY_AFTER, UNKNOWN_RUN, error
 
-router = APIRouter(prefix=API_PREFIX, tags=["api"])
+router = APIRouter(prefix=API_PREFIX, tags=["api"], responses=BUSY)
 
 
-@router.post("/runs/{slug}/peer-tokens", response_model=PeerTokenGrant)
+@router.post("/runs/{slug}/peer-tokens", response_model=PeerTokenGrant, responses={
+    **NEEDS_CREDENTIAL, **UNKNOWN_RUN, 400: error("the body is not JSON"),
+    403: error("the run does not admit this user: banned, not allowlisted, not in its organization"),
+    429: error("past a per-account limit: token requests a minute, or peers at once", RETRY_AFTER),
+})
 def issue_peer_token(run: RunDep, user: ApiUser, body: PeerTokenRequest, session: SessionDep,
                      settings: SettingsDep):
     """A token binding the signed-in user to the worker's key, signed by the run's authority (403 with the

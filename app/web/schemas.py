@@ -6,10 +6,25 @@ ledger.LeaderboardEntry, standings.TeamEntry and UserTotals); the same contract 
 
 from __future__ import annotations
 
-from datetime import datetime, timezone
-from typing import Optional
+import re
+from typing import Annotated, Optional
 
-from pydantic import BaseModel, field_serializer
+from dedloc_common.contract import UtcDateTime
+from pydantic import BaseModel, BeforeValidator
+
+RFC3339 = re.compile(r"\d{4}-\d{2}-\d{2}[Tt]\d{2}:\d{2}:\d{2}(\.\d+)?([Zz]|[+-]\d{2}:\d{2})")
+
+
+def rfc3339_text(value: object) -> object:
+    """Only RFC 3339 date-times with their offset, as the document says (pydantic alone also takes Unix times and
+    dates). In a URL, an offset's ``+`` must be written ``%2B``."""
+    if isinstance(value, str) and not RFC3339.fullmatch(value):
+        raise ValueError("an RFC 3339 date-time with its offset, e.g. 2026-01-01T00:00:00Z")
+    return value
+
+
+# A moment a client sends (a query value): RFC 3339 with offset, handled in UTC.
+UtcDateTimeIn = Annotated[UtcDateTime, BeforeValidator(rfc3339_text)]
 
 
 class RunOut(BaseModel):
@@ -18,7 +33,7 @@ class RunOut(BaseModel):
     task: str
     target_batch_size: int
     batch_size: int
-    created_at: datetime
+    created_at: UtcDateTime
 
 
 class SwarmOut(BaseModel):
@@ -30,13 +45,7 @@ class SwarmOut(BaseModel):
     samples_accumulated: int
     eta_seconds: Optional[float]
     target_batch_size: int
-    updated_at: Optional[datetime]
-
-    @field_serializer("updated_at")
-    def _utc(self, value: Optional[datetime]) -> Optional[str]:
-        if value is None:
-            return None
-        return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).isoformat()
+    updated_at: Optional[UtcDateTime]
 
 
 class ProbeReceipt(BaseModel):

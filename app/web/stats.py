@@ -11,12 +11,15 @@ from fastapi.responses import FileResponse
 from app.core.errors import NotFound
 from app.credit.stats_export import FILES, stats_dir
 from app.web.deps import SettingsDep
+from app.web.responses import BINARY, error
 
 router = APIRouter(tags=["stats"])
 
 
 @router.get("/stats/{name}", response_class=FileResponse,
-            responses={200: {"content": {"application/gzip": {}}}, 404: {"description": "not exported yet"}})
+            responses={200: {"content": {"application/gzip": {"schema": BINARY}},
+                             "description": "a gzip file"},
+                       404: error("no such stats file, or none exported yet")})
 def stats_file(settings: SettingsDep, name: Annotated[str, Path(max_length=40)]):
     """Per-user and per-team totals across runs and per run, users hidden from public boards left out;
     refreshed once a day."""

@@ -10,11 +10,11 @@ the HTTP models use pydantic v2 like the rest of the portal.
 
 from __future__ import annotations
 
-from datetime import datetime
-from typing import Any, Dict, List, Literal, Optional
+from datetime import datetime, timezone
+from typing import Annotated, Any, Dict, List, Literal, Optional
 
 import pydantic.v1 as pydantic_v1
-from pydantic import BaseModel, Field
+from pydantic import AfterValidator, BaseModel, Field, PlainSerializer
 
 API_PREFIX = "/api/v1"
 # How many past epochs the training loop hands to each metrics record. The worker's claim outbox
@@ -28,6 +28,21 @@ PENDING_CLAIMS_BYTES = 48 * 1024
 # between aggregators and streamed, so the coordinator plans with it. Smaller parts let results trail uploads by
 # less (docs/benchmarks.md#part-size).
 GRADIENT_PART_BYTES = 2**17
+
+
+def in_utc(moment: datetime) -> datetime:
+    """``moment`` in UTC; a naive one (SQLite hands those back) is taken as UTC already."""
+    if moment.tzinfo is None:
+        return moment.replace(tzinfo=timezone.utc)
+    try:
+        return moment.astimezone(timezone.utc)
+    except OverflowError:  # 0001-01-01 at +01:00 is before the first UTC moment Python holds
+        raise ValueError("out of range once in UTC") from None
+
+
+# Every moment the HTTP API sends: timezone-aware UTC, written as RFC 3339 with its offset ("...Z"). A naive value
+# read from an older portal is taken as UTC, so models using it still parse what they parsed before.
+UtcDateTime = Annotated[datetime, AfterValidator(in_utc), PlainSerializer(in_utc, return_type=datetime)]
 
 
 def progress_key(run_id: str) -> str:
@@ -117,7 +132,7 @@ class CheckpointInfo(BaseModel):
 
     epoch: int = Field(ge=0)
     samples: int = Field(ge=0, description="samples the collaboration had averaged when it was taken")
-    created_at: datetime
+    created_at: UtcDateTime
     eval_loss: Optional[float] = Field(None, description="loss on the run's held-out data, None without any")
     sha256: str = Field(description="of the archive")
     size: int = Field(ge=0, description="bytes of the archive")
@@ -275,7 +290,9 @@ def denylist_payload(usernames: List[str], issued_at: float) -> bytes:
 
 
 class PeerTokenRequest(BaseModel):
-    public_key: str = Field(description="the worker's RSA public key, OpenSSH format", max_length=2000)
+    # The pattern documents the shape (OpenAPI); the portal checks the key itself (an RSA key of 2048 bits or more).
+    public_key: str = Field(description="the worker's RSA public key, OpenSSH format", max_length=2000,
+                            json_schema_extra={"pattern": r"^ssh-rsa AAAA[0-9A-Za-z+/]+={0,3}( [^\r\n]*)?$"})
 
 
 class PeerToken(BaseModel):
