@@ -24,7 +24,7 @@ from app.identity.errors import DeviceGrantError, SignInRequired
 from app.identity.oidc import make_oauth
 from app.core.secrets import secret_key
 from app.web import auth_routes
-from app.web import api, join, link_probe, live, me, metrics, organize, pages, peer_tokens, run_forms, stats
+from app.web import api, docs, join, link_probe, live, me, metrics, organize, pages, peer_tokens, run_forms, stats
 from app.web.responses import install_openapi
 
 
@@ -39,7 +39,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         await app.state.feed.close()
         engine.dispose()
 
-    app = FastAPI(title="dedloc", version="0.1.0", lifespan=lifespan)
+    # /docs and /redoc come from app/web/docs.py, with vendored assets instead of FastAPI's CDN ones.
+    app = FastAPI(title="dedloc", version="0.1.0", lifespan=lifespan, docs_url=None, redoc_url=None)
     app.state.settings = settings
     app.state.sessions = make_sessionmaker(engine)
     app.state.templates = Jinja2Templates(directory=templates_dir())
@@ -55,7 +56,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(DeviceGrantError, auth_routes.device_grant_refused)
     app.include_router(auth_routes.router)
     # run_forms before pages: /runs/new is the form, not a run's dashboard
-    for router in (api.router, peer_tokens.router, link_probe.router, live.router, metrics.router, join.router,
+    for router in (docs.router, api.router, peer_tokens.router, link_probe.router, live.router, metrics.router, join.router,
                    organize.router, run_forms.router, me.router, stats.router, pages.router):
         app.include_router(router)
     app.add_api_route("/healthz", lambda: {"status": "ok"}, methods=["GET"], include_in_schema=False)
