@@ -36,16 +36,18 @@ def is_confirmed(reports: dict[str, dict], name: str, claim: dict) -> bool:
 
 
 def confirmed_truth(deployment, usernames: list[str]) -> dict[str, tuple[int, int]]:
-    """From the workers' own reports: per user, (samples another worker saw it send, samples nobody confirmed).
+    """From the workers' own reports: per user, (samples other workers saw it send, samples nobody confirmed).
 
-    Worker A's claim is confirmed when another worker's report says it aggregated A's part in the same
-    all-reduce round with the weight A claims: exactly what the coordinator must credit, computed without it.
+    Worker A's claim is credited as far as the other workers' reports say they aggregated A's part in the same
+    all-reduce round (up to the claim; every aggregator of a round sees a sender's one weight, so the majority
+    rule and the smallest weight agree): what the coordinator must credit, computed without it. Each worker is
+    its own user here.
     """
     reports = {name: deployment.report(name) for name in usernames}
     truth = {}
     for name, report in reports.items():
-        confirmed = [is_confirmed(reports, name, claim) for claim in report["contributions"]]
-        credited = sum(c["samples"] for c, ok in zip(report["contributions"], confirmed) if ok)
+        credited = sum(min(seen_weight(reports, name, claim) or 0, claim["samples"])
+                       for claim in report["contributions"])
         truth[name] = (credited, sum(c["samples"] for c in report["contributions"]) - credited)
     return truth
 
