@@ -66,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = commands.add_parser("serve", help="run the web portal")
     serve.add_argument("--host", help="bind address (default from DEDLOC_HOST)")
     serve.add_argument("--port", type=int, help="port (default from DEDLOC_PORT)")
+    serve.add_argument("--workers", type=int, help="web processes on the one port (default from "
+                                                   "DEDLOC_WEB_PROCESSES, 1); they share everything through the "
+                                                   "database and DEDLOC_DATA_DIR")
 
     coordinator = commands.add_parser("coordinator", help="run a run's coordinator (bootstrap peer and monitor)")
     coordinator.add_argument("--run", required=True, help="the run's slug")
@@ -187,15 +190,30 @@ def cmd_export_stats(args, settings: Settings) -> None:
 
 
 def cmd_serve(args, settings: Settings) -> None:
+    import os
+
     import uvicorn
 
     from app.core.database import migrate
+    from app.core.errors import Invalid
+    from app.core.secrets import secret_key
     from app.web.main import create_app
 
-    settings = settings.model_copy(update={k: v for k, v in (("host", args.host), ("port", args.port)) if v})
+    chosen = {k: v for k, v in (("host", args.host), ("port", args.port), ("web_processes", args.workers)) if v}
+    settings = settings.model_copy(update=chosen)
+    if settings.web_processes < 1:
+        raise Invalid("--workers must be at least 1")
     migrate(settings.resolved_database_url)
-    uvicorn.run(create_app(settings), host=settings.host, port=settings.port, timeout_graceful_shutdown=2,
-                log_level="warning")
+    secret_key(settings)  # created here, once, before the processes that read it start
+    options = dict(host=settings.host, port=settings.port, timeout_graceful_shutdown=2, log_level="warning")
+    if settings.web_processes == 1:
+        uvicorn.run(create_app(settings), **options)
+        return
+    # Several processes: uvicorn starts each with the factory, which reads its settings from the environment, so
+    # the options given here go there first. Sessions are signed cookies; device codes, rate limits, tokens and
+    # /metrics come from the database; each process runs its own live-update reader (app/web/live.py).
+    os.environ.update({"DEDLOC_HOST": settings.host, "DEDLOC_PORT": str(settings.port)})
+    uvicorn.run("app.web.main:create_app", factory=True, workers=settings.web_processes, **options)
 
 
 def cmd_coordinator(args, settings: Settings) -> None:

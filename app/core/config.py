@@ -18,6 +18,8 @@ class Settings(BaseSettings):
     )
     host: str = "127.0.0.1"
     port: int = 8000
+    # Web processes `dedloc serve` starts on the port (uvicorn's workers); `--workers` overrides it.
+    web_processes: int = Field(1, ge=1)
     # Seconds between two polls of the DHT by the coordinator's monitor.
     poll_interval: float = Field(2.0, gt=0)
     # Least seconds between two averaging plans when peers join (a plan naming a peer that left is replaced

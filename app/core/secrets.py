@@ -23,8 +23,17 @@ def secret_key(settings: Settings) -> str:
         return settings.secret_key
     path = Path(settings.data_dir) / "secret.key"
     if not path.exists():
+        # Written whole under another name, then linked into place: processes starting together (several web
+        # processes, a portal and a coordinator) all read the one key that won, never a half-written file.
         path.parent.mkdir(parents=True, exist_ok=True)
-        descriptor = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(descriptor, "w") as file:
-            file.write(secrets.token_urlsafe(48))
+        draft = path.with_name(f".secret.key.{os.getpid()}.{secrets.token_hex(4)}")
+        descriptor = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(descriptor, "w") as file:
+                file.write(secrets.token_urlsafe(48))
+            os.link(draft, path)
+        except FileExistsError:
+            pass  # another process was first
+        finally:
+            draft.unlink(missing_ok=True)
     return path.read_text().strip()
