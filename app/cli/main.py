@@ -73,6 +73,11 @@ def build_parser() -> argparse.ArgumentParser:
     coordinator = commands.add_parser("coordinator", help="run a run's coordinator (bootstrap peer and monitor)")
     coordinator.add_argument("--run", required=True, help="the run's slug")
     coordinator.add_argument("--listen", help="multiaddr to listen on (default: as last time, else a free port)")
+    coordinator.add_argument("--announce", action="append", metavar="MULTIADDR",
+                             help="address peers reach this coordinator at, e.g. /dns4/swarm.example.org/tcp/31337 "
+                                  "(repeat for several; default from DEDLOC_ANNOUNCE_MADDRS): announced to the swarm "
+                                  "and offered to joining workers instead of the addresses it listens on; needs "
+                                  "--listen with a fixed port")
     coordinator.add_argument("--verbose", action="store_true", help="show hivemind's own messages in full")
 
     demo = commands.add_parser("demo", help="portal, coordinator and two local workers, until Ctrl-C")
@@ -225,6 +230,8 @@ def cmd_coordinator(args, settings: Settings) -> None:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
+    if args.announce:
+        settings = settings.model_copy(update={"announce_maddrs": args.announce})
     CoordinatorNode(settings, args.run, args.listen).serve(stop)
 
 

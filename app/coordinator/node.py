@@ -31,6 +31,7 @@ from app.credit.ledger import SignedMetrics, samples_total
 from app.credit.settlement import acknowledgements, credit_epochs, owners
 from app.core.config import Settings
 from app.core.database import make_engine, make_sessionmaker, migrate
+from app.core.errors import Invalid
 from app.core.clock import utcnow
 from app.runs.snapshots import record_snapshot
 from app.credit.stats_export import export_if_due
@@ -41,6 +42,29 @@ logger = logging.getLogger("dedloc.coordinator")
 # Worker addresses remembered for a restart; a few reachable ones are enough to rejoin the swarm.
 MAX_KNOWN_PEERS = 16
 BOOTSTRAP_ATTEMPTS = 2  # then start alone and call the known workers from the poll loop
+
+
+def announced_maddrs(announce: list[str], listen: str | None) -> list[str]:
+    """The addresses to announce, checked: multiaddrs with an explicit port, and a listen address with a fixed
+    port (the one a port mapping or a container's published port leads to); ``Invalid`` with the reason."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    if not announce:
+        return []
+    if not listen or listen.rstrip("/").endswith("/tcp/0"):
+        raise Invalid("--announce needs --listen with a fixed port, e.g. --listen /ip4/0.0.0.0/tcp/31337: the "
+                      "announced port must lead to the one the coordinator listens on")
+    checked = []
+    for addr in announce:
+        try:
+            parsed = Multiaddr(addr)
+        except Exception as e:  # multiaddr raises several types for text it cannot read
+            raise Invalid(f"announce address {addr!r} is not a multiaddr ({e})") from None
+        if "/tcp/" not in addr or addr.rstrip("/").endswith("/tcp/0") or "/p2p/" in addr:
+            raise Invalid(f"announce address {addr!r} must name a TCP port (not 0) and no /p2p/ part, "
+                          "e.g. /dns4/swarm.example.org/tcp/31337")
+        checked.append(str(parsed))
+    return checked
 
 
 def default_listen(previous: list[str], host: str) -> str:
@@ -66,6 +90,8 @@ class CoordinatorNode:
         self.identity = Path(settings.data_dir).resolve() / "identities" / f"{slug}.key"
         self.identity.parent.mkdir(parents=True, exist_ok=True)
         self.listen = listen
+        # Where peers reach us from outside (containers, NAT); empty: the addresses the daemon sees itself.
+        self.announce = announced_maddrs(settings.announce_maddrs, listen)
         self.plans = PlanKeeper(settings, min_interval_s=settings.plan_interval)
         self.checkpointer = None
         self.acked: dict[str, tuple[int, float]] = {}  # peer key -> (epoch acknowledged, when: time.monotonic())
@@ -89,11 +115,15 @@ class CoordinatorNode:
             keeper = AdmissionKeeper(dht, self.config.run_id, state, check, self.signature,
                                      lambda: self._service_token(public_key), stop)
             keeper.start()
-            addrs = [str(addr) for addr in dht.get_visible_maddrs()]
+            # What workers are offered to join through: the announced addresses when given (a container's own
+            # are unreachable from outside), else what the daemon sees.
+            addrs = ([f"{addr}/p2p/{dht.peer_id}" for addr in self.announce] if self.announce
+                     else [str(addr) for addr in dht.get_visible_maddrs()])
             with self.sessions() as session:
                 self.coordinator_id = registry.register_coordinator(session, self.run, str(dht.peer_id), addrs).id
             logger.info("coordinator of %s up at %s", self.run.slug, addrs)
-            print(f"coordinator of run {self.run.slug!r} listening at {addrs[0]}", flush=True)
+            where = f"{self.listen}, announced to peers as {addrs[0]}" if self.announce else addrs[0]
+            print(f"coordinator of run {self.run.slug!r} listening at {where}", flush=True)
             self.checkpointer = self._start_checkpointer(dht)
             while not stop.is_set():
                 self.poll_once(dht)
@@ -153,6 +183,7 @@ class CoordinatorNode:
                     known = [addr for addr in known if not addr.endswith(peer_id)]
         start = lambda peers: hivemind.DHT(  # noqa: E731
             initial_peers=peers, host_maddrs=[self.listen or listen], identity_path=str(self.identity),
+            announce_maddrs=self.announce or None,
             # After a crash the swarm still lists our PeerID for a while; the check would refuse our own restart.
             check_if_identity_free=False, authorizer=authorizer, start=True,
         )

@@ -20,6 +20,10 @@ class Settings(BaseSettings):
     port: int = 8000
     # Web processes `dedloc serve` starts on the port (uvicorn's workers); `--workers` overrides it.
     web_processes: int = Field(1, ge=1)
+    # Multiaddrs the coordinator announces to the swarm and registers for workers, as a JSON list, e.g.
+    # '["/dns4/swarm.example.org/tcp/31337"]': where peers reach it from outside (a container's own addresses are
+    # not). Each names its port; `dedloc coordinator --announce` overrides it.
+    announce_maddrs: list[str] = Field(default_factory=list)
     # Seconds between two polls of the DHT by the coordinator's monitor.
     poll_interval: float = Field(2.0, gt=0)
     # Least seconds between two averaging plans when peers join (a plan naming a peer that left is replaced
