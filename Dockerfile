@@ -4,6 +4,8 @@
 #   docker run -p 8000:8000 -v dedloc:/data dedloc-portal
 #   docker run -v dedloc:/data dedloc-coordinator dedloc coordinator --run SLUG
 # Set DATABASE_URL=postgresql+psycopg://... to share PostgreSQL between several portal containers.
+# compose.yaml runs both images as a stack (PostgreSQL, migration, portal replicas, proxy, coordinators): README.md,
+# "Deploying"; tests/test_compose.py keeps it consistent with the targets, EXPOSE and VOLUME here.
 
 # The dedloc wheel: portal, wire contract and swarm code, with templates, migrations, static files and the
 # volunteers' wheels inside.
