@@ -124,6 +124,8 @@ class ClaimKeeper(threading.Thread):
 
         epoch = read_ack(self.dht, self.run_id, self.peer_key, self.check)
         shrank = epoch is not None and self.outbox.acknowledge(epoch)
+        if self.halted.is_set():  # leaving: the DHT is about to shut down, so no new call to it
+            return
         with self.outbox.lock:
             due = time.monotonic() - self.outbox.published_at > self.ttl / 3
             if self.outbox.record is not None and (shrank or due):
