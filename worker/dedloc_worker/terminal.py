@@ -20,6 +20,7 @@ EXPECTED = [
      r"an aggregated part got \1% of its senders' gradients in time; it averaged those"),
     (re.compile(r"Averaging: received ([\d.]+)% results"),
      r"\1% of the averaged gradient came back in time; the rest of this round used this peer's own gradient"),
+    (re.compile(r"Averager shutdown has no effect: the process is already not alive"), None),
     (re.compile(r"Failed to download state from \S+ - "),
      "could not download the training state from one peer (it left, or answered too slowly); asking another"),
 ]
