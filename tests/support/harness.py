@@ -103,8 +103,11 @@ class Deployment:
 
     def create_run(self, target_batch_size: int = 2048, batch_size: int = 16, **optimizer) -> None:
         options = {"matchmaking_time": 1.0, "averaging_timeout": 10.0, "metadata_expiration": 10.0, **optimizer}
+        # No checkpoints: a state download every few epochs is cores these tests need for their rounds
+        # (tests/test_real_models.py checks checkpoints on its own run).
         done = self.cli("create-run", self.slug, "--target-batch-size", str(target_batch_size),
-                        "--batch-size", str(batch_size), "--optimizer", json.dumps(options))
+                        "--batch-size", str(batch_size), "--optimizer", json.dumps(options),
+                        "--checkpoints", json.dumps({"every_epochs": 10**6}))
         assert done.returncode == 0, done.stderr
 
     def start_portal(self) -> None:
