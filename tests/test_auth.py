@@ -5,9 +5,13 @@ grant with the worker's own client, API credentials, and the worker's credential
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
 import shutil
 import stat
+import subprocess
+import sys
 from datetime import timedelta
 from typing import Optional
 from urllib.parse import parse_qs, urlencode, urlsplit
@@ -17,8 +21,9 @@ import pytest
 from dedloc_worker.errors import PortalError
 from dedloc_worker.login import Credential, device_login, forget_credential, load_credential, save_credential
 from fastapi.testclient import TestClient
-from sqlalchemy import inspect, select
+from sqlalchemy import func, inspect, select
 
+from app.identity import oidc
 from app.identity.device import DevicePolicy
 from app.identity.models import ApiCredential, DeviceCode, User
 from app.core.config import Settings
@@ -109,6 +114,28 @@ def test_oidc_sign_in_creates_the_user_and_a_session(oidc_portal, provider, brow
     home = browser.get(f"{oidc_portal.url}/")
     browser.post(f"{oidc_portal.url}/signout", data={"csrf": form_token(home.text)}, follow_redirects=True)
     assert signed_in_as(browser, oidc_portal) is None
+
+
+@pytest.mark.parametrize("scope, organizations", [("openid profile read-org", ["bigscience", "neuropark"]),
+                                                  ("openid profile", [])])
+def test_organizations_come_from_userinfo_with_the_read_org_scope(start_portal, provider, browser, scope,
+                                                                  organizations):
+    """As on Hugging Face: the ID token has no `orgs`; userinfo lists them to an app granted read-org."""
+    provider.organizations = ("bigscience", "neuropark")
+    portal = start_portal(oidc_issuer=provider.issuer, oidc_client_id=CLIENT_ID, oidc_client_secret=CLIENT_SECRET,
+                          oidc_scopes=scope)
+    landed = browser.get(f"{portal.url}/signin/oidc", follow_redirects=True)
+    assert landed.status_code == 200 and signed_in_as(browser, portal) == "alice"
+    with portal.db() as session:
+        assert session.scalar(select(User.organizations)) == organizations
+    team_choices = re.findall(r'<option value="([^"]+)"', browser.get(f"{portal.url}/me").text)
+    assert team_choices == organizations
+
+
+def test_hugging_face_is_asked_for_organizations_by_default():
+    assert oidc.scopes(Settings(oidc_issuer="https://huggingface.co")) == "openid profile read-org"
+    assert oidc.scopes(Settings(oidc_issuer="https://id.example.org")) == "openid profile"
+    assert oidc.scopes(Settings(oidc_scopes=" openid profile email ")) == "openid profile email"
 
 
 @pytest.mark.parametrize("mode, status, reason", [
@@ -312,6 +339,67 @@ def test_api_user_accepts_a_credential_and_refuses_a_revoked_one(portal, browser
     assert revoked.status_code == 401 and "revoked" in revoked.json()["detail"]
 
 
+def approved_credential(portal: Portal, browser: httpx.Client, username: str) -> str:
+    dev_sign_in(browser, portal, username)
+    started = start_device(portal)
+    decide(browser, portal, started["user_code"], "approve")
+    return poll(portal, started["device_code"]).json()["access_token"]
+
+
+def me_status(portal: Portal, token: str) -> int:
+    return httpx.get(f"{portal.url}/api/v1/me", headers={"authorization": f"Bearer {token}"}).status_code
+
+
+def test_a_machine_credential_is_revoked_from_the_page(portal, browser):
+    token = approved_credential(portal, browser, "heidi")
+    assert me_status(portal, token) == 200
+    with httpx.Client(headers=BROWSER, timeout=15) as other:  # another user's machine, untouched by heidi
+        other_token = approved_credential(portal, other, "ivan")
+    page = browser.get(f"{portal.url}/me")
+    row = re.search(r'<table class="leaders" id="credentials">(.*?)</table>', page.text, re.S).group(1)
+    assert "test worker on host" in row and "valid" in row
+    with portal.db() as session:
+        mine, theirs = (session.scalar(select(ApiCredential.id).join(User).where(User.username == name))
+                        for name in ("heidi", "ivan"))
+
+    foreign = browser.post(f"{portal.url}/me/credentials/{theirs}/revoke", data={"csrf": form_token(page.text)})
+    assert foreign.status_code == 404 and me_status(portal, other_token) == 200
+    forged = browser.post(f"{portal.url}/me/credentials/{mine}/revoke", data={"csrf": "forged"})
+    assert forged.status_code == 403 and me_status(portal, token) == 200
+    revoked = browser.post(f"{portal.url}/me/credentials/{mine}/revoke", data={"csrf": form_token(page.text)})
+    assert revoked.status_code == 303 and revoked.headers["location"] == "/me#machines"
+    refused = httpx.get(f"{portal.url}/api/v1/me", headers={"authorization": f"Bearer {token}"})
+    assert refused.status_code == 401 and "revoked" in refused.json()["detail"]
+    assert "revoked 20" in browser.get(f"{portal.url}/me").text and me_status(portal, other_token) == 200
+
+
+def test_credentials_expire_after_the_deployment_lifetime(start_portal, browser):
+    portal = start_portal(api_credential_lifetime=86400)
+    token = approved_credential(portal, browser, "judy")
+    assert me_status(portal, token) == 200
+    with portal.db() as session:  # a day and a minute later
+        credential = session.scalar(select(ApiCredential))
+        credential.created_at = utcnow() - timedelta(days=1, minutes=1)
+        session.commit()
+    expired = httpx.get(f"{portal.url}/api/v1/me", headers={"authorization": f"Bearer {token}"})
+    assert expired.status_code == 401 and "expired" in expired.json()["detail"]
+    assert "dedloc-worker login" in expired.json()["detail"]
+
+
+def test_device_logins_are_rate_limited_per_address(start_portal):
+    portal = start_portal(policy=DevicePolicy(lifetime=30, interval=1, per_address_per_minute=3))
+    for _ in range(3):
+        start_device(portal)
+    refused = httpx.post(f"{portal.url}/api/v1/device/code", data={"client_name": "a flood"})
+    assert refused.status_code == 429 and "device logins a minute" in refused.json()["detail"]
+    assert 1 <= int(refused.headers["retry-after"]) <= 60
+    # Another address (uvicorn trusts X-Forwarded-For from loopback, as from a proxy there) is not held back.
+    elsewhere = httpx.post(f"{portal.url}/api/v1/device/code", headers={"x-forwarded-for": "203.0.113.7"})
+    assert elsewhere.status_code == 200 and elsewhere.json()["user_code"]
+    with portal.db() as session:
+        assert session.scalar(select(func.count(DeviceCode.id))) == 4
+
+
 # the worker's side -----------------------------------------------------------------------------------------------
 
 def test_device_login_waits_the_interval_and_slows_down_when_told():
@@ -363,6 +451,35 @@ def test_the_credentials_file_is_private_and_logout_removes_it(tmp_path, monkeyp
     assert forget_credential("http://a.example") is True and load_credential("http://a.example") is None
     assert load_credential("http://b.example").username == "bob"
     assert forget_credential("http://b.example") is True and not path.exists()
+
+
+def logout(portal_url: str, config_home) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "dedloc_worker", "logout", portal_url], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, "XDG_CONFIG_HOME": str(config_home)})
+
+
+def test_worker_logout_revokes_the_credential_on_the_portal(portal, browser, tmp_path):
+    token = approved_credential(portal, browser, "kim")
+    config = tmp_path / "config"
+    env_path = config / "dedloc" / "credentials.json"
+    env_path.parent.mkdir(parents=True)
+    env_path.write_text(json.dumps({"portals": {portal.url: {"access_token": token, "username": "kim"}}}))
+    assert me_status(portal, token) == 200
+
+    done = logout(portal.url, config)
+    assert done.returncode == 0 and "the portal revoked this machine's credential" in done.stdout, done
+    assert me_status(portal, token) == 401 and not env_path.exists()
+    assert "revoked 20" in browser.get(f"{portal.url}/me").text
+
+
+def test_worker_logout_without_the_portal_forgets_and_says_where_to_revoke(tmp_path):
+    config = tmp_path / "config"
+    path = config / "dedloc" / "credentials.json"
+    path.parent.mkdir(parents=True)
+    path.write_text(json.dumps({"portals": {"http://127.0.0.1:1": {"access_token": "secret", "username": "kim"}}}))
+    done = logout("http://127.0.0.1:1", config)
+    assert done.returncode == 1 and "Traceback" not in done.stderr and not path.exists()
+    assert "could not revoke it there" in done.stdout and "http://127.0.0.1:1/me#machines" in done.stdout
 
 
 # schema ----------------------------------------------------------------------------------------------------------

@@ -52,7 +52,13 @@ class Settings(BaseSettings):
     oidc_issuer: str = "https://huggingface.co"
     oidc_client_id: str = ""
     oidc_client_secret: str = ""
-    oidc_scopes: str = "openid profile"
+    # Empty: "openid profile read-org" for Hugging Face (organizations, for teams and org-only runs), "openid
+    # profile" for other providers (app.identity.oidc.scopes).
+    oidc_scopes: str = ""
+    # Device logins (`dedloc-worker login`) one client address may start per minute; past it, 429.
+    device_logins_per_minute: int = Field(20, gt=0)
+    # Seconds an API credential (what `dedloc-worker login` stores) stays valid after its login; 0: until revoked.
+    api_credential_lifetime: float = Field(0.0, ge=0)
     # Usernames that may create runs, change admission, ban and unban.
     organizers: list[str] = Field(default_factory=list)
     # Bytes of data files one run-creation form may upload, all files together; uploads stream to disk under

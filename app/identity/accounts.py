@@ -78,8 +78,9 @@ def issue_credential(session: Session, *, user_id: int, client_name: Optional[st
     return secret
 
 
-def authenticate(session: Session, secret: str) -> User:
-    """The user holding ``secret``; ``Unauthorized`` when it is unknown or revoked."""
+def authenticate(session: Session, secret: str, lifetime: float = 0.0) -> User:
+    """The user holding ``secret``; ``Unauthorized`` when it is unknown, revoked, or older than ``lifetime``
+    seconds (0: no limit)."""
     found = session.execute(
         select(ApiCredential, User).join(User).where(ApiCredential.token_hash == hash_secret(secret))
     ).one_or_none()
@@ -89,10 +90,29 @@ def authenticate(session: Session, secret: str) -> User:
     if credential.revoked_at is not None:
         raise Unauthorized("this API credential was revoked; log in again with `dedloc-worker login <portal-url>`")
     now = utcnow()
+    if lifetime and now - as_utc(credential.created_at) > timedelta(seconds=lifetime):
+        raise Unauthorized("this API credential expired (this portal's credentials last "
+                           f"{lifetime / 86400:g} days); log in again with `dedloc-worker login <portal-url>`")
     if credential.last_used_at is None or now - as_utc(credential.last_used_at) > LAST_USED_PRECISION:
         credential.last_used_at = now
         session.commit()
     return user
+
+
+def machine_credentials(session: Session, user_id: int) -> list[ApiCredential]:
+    """The user's API credentials, newest first, revoked ones included (they say when)."""
+    return list(session.scalars(select(ApiCredential).where(ApiCredential.user_id == user_id)
+                                .order_by(ApiCredential.created_at.desc(), ApiCredential.id.desc())))
+
+
+def revoke_machine_credential(session: Session, user_id: int, credential_id: int) -> bool:
+    """Revoke the user's credential ``credential_id``; False when it is not theirs or was revoked already."""
+    credential = session.get(ApiCredential, credential_id)
+    if credential is None or credential.user_id != user_id or credential.revoked_at is not None:
+        return False
+    credential.revoked_at = utcnow()
+    session.commit()
+    return True
 
 
 def revoke_credential(session: Session, secret: str) -> bool:

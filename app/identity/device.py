@@ -13,6 +13,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from app.core.clock import as_utc, utcnow
+from app.core.errors import TooManyRequests
 from app.identity.accounts import hash_secret, issue_credential
 from app.identity.errors import DeviceGrantError, UserCodeRefused
 from app.identity.models import DeviceCode, User
@@ -32,6 +33,8 @@ class DevicePolicy:
 
     lifetime: float = 600.0
     interval: int = 5
+    # Device logins one client address may start per minute: each is a row and a code to guess against.
+    per_address_per_minute: int = 20
 
 
 @dataclass(frozen=True)
@@ -61,16 +64,28 @@ def normalize_user_code(text: str) -> Optional[str]:
     return f"{letters[:4]}-{letters[4:]}"
 
 
-def start_device_login(session: Session, *, policy: DevicePolicy, client_name: Optional[str] = None
-                       ) -> DeviceAuthorization:
+def start_device_login(session: Session, *, policy: DevicePolicy, client_name: Optional[str] = None,
+                       requested_from: Optional[str] = None) -> DeviceAuthorization:
+    """A new device login; ``TooManyRequests`` past the policy's per-address rate (counted in the database, so
+    every web process shares it)."""
     now = utcnow()
     session.execute(delete(DeviceCode).where(DeviceCode.expires_at < now - KEEP_EXPIRED))
+    if requested_from is not None:
+        recent = session.scalars(select(DeviceCode.created_at).where(
+            DeviceCode.requested_from == requested_from, DeviceCode.created_at > now - timedelta(minutes=1)
+        ).order_by(DeviceCode.created_at)).all()
+        if len(recent) >= policy.per_address_per_minute:
+            session.commit()  # the clean-up above stands
+            retry = 60 - (now - as_utc(recent[0])).total_seconds()
+            raise TooManyRequests(f"more than {policy.per_address_per_minute} device logins a minute from this "
+                                  f"address; retry in {retry:.0f} s", retry_after=max(retry, 1))
     device_code = secrets.token_urlsafe(32)
     user_code = new_user_code()
     while session.scalar(select(DeviceCode.id).where(DeviceCode.user_code == user_code)) is not None:
         user_code = new_user_code()
     session.add(DeviceCode(
-        device_code_hash=hash_secret(device_code), user_code=user_code, client_name=client_name, created_at=now,
+        device_code_hash=hash_secret(device_code), user_code=user_code, client_name=client_name,
+        requested_from=requested_from, created_at=now,
         expires_at=now + timedelta(seconds=policy.lifetime), interval=policy.interval, status="pending",
     ))
     session.commit()

@@ -5,7 +5,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Optional
 
-from sqlalchemy import JSON, Boolean, CheckConstraint, DateTime, ForeignKey, Integer, String, UniqueConstraint
+from sqlalchemy import JSON, Boolean, CheckConstraint, DateTime, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.core.clock import utcnow
@@ -53,13 +53,16 @@ class DeviceCode(Base):
     the user code in the browser."""
 
     __tablename__ = "device_codes"
-    __table_args__ = (CheckConstraint("status IN ('pending', 'approved', 'denied', 'used')", name="status"),)
+    __table_args__ = (CheckConstraint("status IN ('pending', 'approved', 'denied', 'used')", name="status"),
+                      Index("ix_device_codes_requested_from_created_at", "requested_from", "created_at"))
 
     id: Mapped[int] = mapped_column(primary_key=True)
     device_code_hash: Mapped[str] = mapped_column(String(64), unique=True)
     user_code: Mapped[str] = mapped_column(String(16), unique=True)
     # What the worker says it is ("dedloc-worker 0.1.0 on host"), shown to the approving user.
     client_name: Mapped[Optional[str]] = mapped_column(String(200), nullable=True)
+    # The requesting client's address (behind a proxy: what it forwarded), for the per-address rate limit.
+    requested_from: Mapped[Optional[str]] = mapped_column(String(64), nullable=True)
     created_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     expires_at: Mapped[datetime] = mapped_column(DateTime(timezone=True))
     # Seconds the worker must wait between two polls; raised by 5 on each slow_down (RFC 8628, 3.5).

@@ -56,9 +56,17 @@ def make_oauth(settings: Settings) -> Optional[OAuth]:
         client_id=settings.oidc_client_id,
         client_secret=settings.oidc_client_secret or None,
         server_metadata_url=f"{settings.oidc_issuer.rstrip('/')}/.well-known/openid-configuration",
-        client_kwargs={"scope": settings.oidc_scopes, "code_challenge_method": "S256", "timeout": 10},
+        client_kwargs={"scope": scopes(settings), "code_challenge_method": "S256", "timeout": 10},
     )
     return oauth
+
+
+def scopes(settings: Settings) -> str:
+    """``DEDLOC_OIDC_SCOPES``, or by provider: Hugging Face lists a user's organizations (teams, org-only runs)
+    only to apps that ask for ``read-org``; other providers get the plain OpenID Connect scopes."""
+    if settings.oidc_scopes.strip():
+        return settings.oidc_scopes.strip()
+    return "openid profile read-org" if provider_name(settings) == "Hugging Face" else "openid profile"
 
 
 def provider_name(settings: Settings) -> str:
@@ -86,7 +94,15 @@ async def identity_from_callback(oauth: OAuth, request: Request, settings: Setti
         claims = token.get("userinfo")
         if not claims:
             raise SignInRefused("the provider sent no ID token; DEDLOC_OIDC_SCOPES must include `openid`")
-        username = claims.get("preferred_username") or await _username_from_userinfo(client, token, claims)
+        info = claims
+        # Hugging Face puts `orgs` in userinfo, not in the ID token; a provider may leave out the username too.
+        wants_orgs = "read-org" in scopes(settings).split() and "orgs" not in claims
+        if not claims.get("preferred_username") or wants_orgs:
+            info = await _checked_userinfo(client, token, claims)
+        username = claims.get("preferred_username") or info.get("preferred_username")
+        if not username:
+            raise SignInRefused("the provider did not tell a username (`preferred_username`); DEDLOC_OIDC_SCOPES "
+                                "should include `profile`")
     except MismatchingStateError:
         raise SignInRefused("this sign-in was not started in this browser, or was already finished (the state "
                             "does not match); start again from the sign-in page") from None
@@ -97,7 +113,7 @@ async def identity_from_callback(oauth: OAuth, request: Request, settings: Setti
     except (*TRANSPORT_ERRORS, ValueError, RuntimeError) as e:
         raise SignInRefused(f"cannot complete the sign-in with the provider ({e}); try again later", 502) from None
     return Identity(issuer=claims["iss"], subject=claims["sub"], username=username,
-                    organizations=organizations_of(claims))
+                    organizations=organizations_of(claims if "orgs" in claims else info))
 
 
 def organizations_of(claims: dict) -> tuple:
@@ -126,14 +142,11 @@ def _claims_options(metadata: dict, settings: Settings) -> dict:
     }
 
 
-async def _username_from_userinfo(client, token: dict, claims: dict) -> str:
+async def _checked_userinfo(client, token: dict, claims: dict) -> dict:
     info = await client.userinfo(token=token)
     if info.get("sub") != claims["sub"]:
         raise SignInRefused("the provider's userinfo names another subject than its ID token", 502)
-    if not info.get("preferred_username"):
-        raise SignInRefused("the provider did not tell a username (`preferred_username`); DEDLOC_OIDC_SCOPES "
-                            "should include `profile`")
-    return info["preferred_username"]
+    return dict(info)
 
 
 def _provider_refusal(e: OAuthError) -> SignInRefused:

@@ -26,7 +26,8 @@ from app.identity.models import User
 from app.core.config import Settings
 from app.core.clock import as_utc, utcnow
 from app.web.deps import SessionDep, SettingsDep
-from app.web.responses import BUSY, NEEDS_CREDENTIAL, VALIDATION_STATUS, DeviceGrantErrorOut
+from app.web.responses import (BUSY, NEEDS_CREDENTIAL, RETRY_AFTER, VALIDATION_STATUS, DeviceGrantErrorOut,
+                               error)
 
 router = APIRouter()
 DEVICE_GRANT_TYPE = "urn:ietf:params:oauth:grant-type:device_code"
@@ -154,9 +155,9 @@ def sign_out(request: Request):
 
 # device login: the worker's side (RFC 8628, 3.1-3.5) ------------------------------------------------------------
 
-def device_policy() -> DevicePolicy:
-    """Code lifetime and poll interval; tests override this dependency (``app.dependency_overrides``)."""
-    return DevicePolicy()
+def device_policy(settings: SettingsDep) -> DevicePolicy:
+    """Code lifetime, poll interval and rate; tests override this dependency (``app.dependency_overrides``)."""
+    return DevicePolicy(per_address_per_minute=settings.device_logins_per_minute)
 
 
 class DeviceCodeOut(BaseModel):
@@ -211,12 +212,14 @@ async def device_grant_refused(request: Request, exc: DeviceGrantError):
 
 
 @router.post(f"{API_PREFIX}/device/code", tags=["device login"], response_model=DeviceCodeOut,
-             responses=BUSY)
+             responses={429: error("past the device logins one address may start in a minute", RETRY_AFTER),
+                        **BUSY})
 def device_code(request: Request, session: SessionDep, policy: Annotated[DevicePolicy, Depends(device_policy)],
                 client_name: Annotated[Optional[str], Form(max_length=200)] = None):
     """Start a device login: show ``user_code`` and ``verification_uri`` to the person, then poll the token
-    endpoint with ``device_code`` every ``interval`` seconds."""
-    started = device.start_device_login(session, policy=policy, client_name=client_name)
+    endpoint with ``device_code`` every ``interval`` seconds. 429 with Retry-After past the per-address rate."""
+    address = request.client.host if request.client else None  # behind a proxy: uvicorn reads X-Forwarded-For
+    started = device.start_device_login(session, policy=policy, client_name=client_name, requested_from=address)
     verification_uri = str(request.url_for("device_page"))
     return JSONResponse(DeviceCodeOut(
         device_code=started.device_code, user_code=started.user_code, verification_uri=verification_uri,

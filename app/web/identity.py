@@ -10,7 +10,7 @@ from typing import Annotated, Optional
 from fastapi import Depends, Form, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.web.deps import SessionDep
+from app.web.deps import SessionDep, SettingsDep
 from app.identity import accounts
 from app.identity.accounts import is_organizer
 from app.identity.errors import FormRefused, SignInRequired, Unauthorized
@@ -48,8 +48,8 @@ def bearer_secret(credentials: Annotated[Optional[HTTPAuthorizationCredentials],
 BearerSecret = Annotated[str, Depends(bearer_secret)]
 
 
-def api_user(session: SessionDep, secret: BearerSecret) -> User:
-    return accounts.authenticate(session, secret)
+def api_user(session: SessionDep, settings: SettingsDep, secret: BearerSecret) -> User:
+    return accounts.authenticate(session, secret, settings.api_credential_lifetime)
 
 
 ApiUser = Annotated[User, Depends(api_user)]

@@ -68,11 +68,13 @@ class OidcProvider:
                  subject: str = "subject-alice"):
         self.key, self.client_id, self.client_secret = key, client_id, client_secret
         self.username, self.subject = username, subject
+        # As on Hugging Face: listed in userinfo (not in the ID token), and only to apps granted `read-org`.
+        self.organizations: tuple = ()
         self.rogue_key = RSAKey.generate_key(2048, parameters={"kid": key.kid})  # same kid, never published
         self.issuer = ""
         self.mode: Optional[str] = None
         self.codes: dict[str, dict] = {}
-        self.access_tokens: dict[str, str] = {}
+        self.access_tokens: dict[str, tuple[str, str]] = {}
         self.app = Starlette(routes=[
             Route("/.well-known/openid-configuration", self.discovery),
             Route("/jwks", self.jwks),
@@ -84,6 +86,7 @@ class OidcProvider:
     def reset(self, mode: Optional[str] = None) -> None:
         assert mode in MODES, mode
         self.mode = mode
+        self.organizations = ()
         self.codes.clear()
         self.access_tokens.clear()
 
@@ -119,7 +122,7 @@ class OidcProvider:
             return RedirectResponse(f"{redirect_uri}?{urlencode(answer)}", 302)
         code = secrets.token_urlsafe(16)
         self.codes[code] = {"challenge": query["code_challenge"], "nonce": query["nonce"],
-                            "redirect_uri": redirect_uri}
+                            "redirect_uri": redirect_uri, "scope": query.get("scope", "")}
         return RedirectResponse(f"{redirect_uri}?{urlencode({'code': code, 'state': query['state']})}", 302)
 
     async def token(self, request: Request):
@@ -134,9 +137,9 @@ class OidcProvider:
         if _b64url_sha256(form.get("code_verifier", "")) != grant["challenge"]:
             return JSONResponse({"error": "invalid_grant", "error_description": "PKCE verification failed"}, 400)
         access_token = secrets.token_urlsafe(16)
-        self.access_tokens[access_token] = self.subject
+        self.access_tokens[access_token] = (self.subject, grant["scope"])
         return JSONResponse({"access_token": access_token, "token_type": "Bearer", "expires_in": 3600,
-                             "scope": "openid profile", "id_token": self.id_token(grant["nonce"])})
+                             "scope": grant["scope"], "id_token": self.id_token(grant["nonce"])})
 
     def _client_authenticated(self, request: Request, form) -> bool:
         header = request.headers.get("authorization", "")
@@ -164,5 +167,9 @@ class OidcProvider:
         token = request.headers.get("authorization", "").removeprefix("Bearer ")
         if token not in self.access_tokens:
             return JSONResponse({"error": "invalid_token"}, 401)
-        return JSONResponse({"sub": self.access_tokens[token], "preferred_username": self.username,
-                             "name": self.username.title()})
+        subject, scope = self.access_tokens[token]
+        info = {"sub": subject, "preferred_username": self.username, "name": self.username.title()}
+        if "read-org" in scope.split():
+            info["orgs"] = [{"sub": f"org-{name}", "preferred_username": name, "name": name.title()}
+                            for name in self.organizations]
+        return JSONResponse(info)

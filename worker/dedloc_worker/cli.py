@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True)
     login = commands.add_parser("login", help="sign this machine in to a portal (approve a code in your browser)")
     login.add_argument("portal", help="the portal's address")
-    logout = commands.add_parser("logout", help="forget this machine's sign-in to a portal")
+    logout = commands.add_parser("logout", help="revoke this machine's sign-in on a portal and forget it")
     logout.add_argument("portal", help="the portal's address")
     join = commands.add_parser("join", help="join a run and train until stopped (Ctrl-C leaves cleanly)")
     join.add_argument("portal", help="the portal's address, e.g. https://dedloc.example.org")
@@ -82,13 +82,20 @@ def run_login(args, stop) -> int:
 
 
 def run_logout(args, stop) -> int:
-    from .login import forget_credential
+    from .login import forget_credential, load_credential, revoke_on_portal
 
-    if forget_credential(args.portal):
-        print(f"forgot this machine's sign-in to {args.portal}")
-    else:
+    credential = load_credential(args.portal)
+    if credential is None:
         print(f"this machine was not signed in to {args.portal}")
-    return 0
+        return 0
+    failure = revoke_on_portal(credential)
+    forget_credential(args.portal)  # a credential the portal still honours is still gone from this machine
+    if failure is None:
+        print(f"signed out of {args.portal}: the portal revoked this machine's credential and it is forgotten here")
+        return 0
+    print(f"forgot this machine's sign-in to {args.portal}, but could not revoke it there ({failure}); "
+          f"revoke it on {credential.portal_url}/me#machines")
+    return 1
 
 
 COMMANDS = {"join": run_and_report, "login": run_login, "logout": run_logout}

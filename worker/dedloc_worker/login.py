@@ -76,6 +76,19 @@ def device_login(portal_url: str, say: Callable[[str], object] = print,
                 raise _refusal(base, answer)
 
 
+def revoke_on_portal(credential: Credential, transport: Optional[httpx.BaseTransport] = None) -> Optional[str]:
+    """Ask the portal to revoke ``credential``: None once it is revoked (or was already), else why not, in words."""
+    try:
+        with httpx.Client(transport=transport, timeout=15) as client:
+            response = client.delete(f"{credential.portal_url}{API_PREFIX}/me/credential",
+                                     headers={"authorization": f"Bearer {credential.access_token}"})
+    except httpx.HTTPError as e:
+        return f"cannot reach the portal at {credential.portal_url} ({e})"
+    if response.status_code == 200 or response.status_code == 401:  # 401: already revoked, expired or unknown
+        return None
+    return f"the portal at {credential.portal_url} answered {response.status_code}: {response.text[:200]}"
+
+
 def _post(client: httpx.Client, base: str, path: str, form: dict) -> dict:
     try:
         response = client.post(f"{base}{API_PREFIX}{path}", data=form)
