@@ -13,8 +13,8 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -24,6 +24,8 @@ from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils import MPFuture, get_dht_time, get_logger
 from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
+
+from .robust import RobustPartReducer, RobustRule, notable_attestations
 
 logger = get_logger(__name__)
 
@@ -93,6 +95,8 @@ class RoundOutcome:
     :param streamed: whether results went back to zero-share peers while they uploaded (no hold-back)
     :param most_in_flight: the most parts this peer sent an aggregator ahead of their results (streamed rounds
       only; None where hivemind's runner ran)
+    :param weight_cap: the most weight (samples) this aggregator let a sender carry; None without robust rule
+    :param attested: PeerID -> what this aggregator cut from that sender (``robust.Attestation.as_record``)
     """
 
     peer_ids: List[str]
@@ -107,6 +111,8 @@ class RoundOutcome:
     error: Optional[str] = None
     streamed: bool = False
     most_in_flight: Optional[int] = None
+    weight_cap: Optional[float] = None
+    attested: Dict[str, dict] = field(default_factory=dict)
 
     @property
     def seconds(self) -> float:
@@ -171,12 +177,20 @@ class StreamingAllReduceRunner(AllReduceRunner):
 class PlannedAverager(DecentralizedAverager):
     """``DecentralizedAverager`` that aggregates the share of the vector a plan gives it (see the module doc).
 
-    Without a plan it behaves exactly as hivemind's averager. Same arguments as ``DecentralizedAverager``.
+    Without a plan it behaves exactly as hivemind's averager. Same arguments as ``DecentralizedAverager``, and:
+
+    :param robust: aggregate own parts with this rule (weight cap, non-finite parts dropped, CenteredClip) instead
+      of hivemind's weighted mean; None: the plain mean
+    :param attest: called in the averager's process after each round this peer aggregated in under ``robust``,
+      with (group id, {PeerID: ``robust.Attestation.as_record()``}) for every sender it cut (not called when none)
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(self, *args: Any, robust: Optional[RobustRule] = None,
+                 attest: Optional[Callable[[bytes, Dict[str, dict]], None]] = None, **kwargs: Any) -> None:
         self._plan: Optional[Dict[str, float]] = None
         self._last_round: Optional[RoundOutcome] = None  # written in the averager's own process
+        self._robust, self._attest = robust, attest
+        self._previous_began = time.time()  # the weight cap's clock: a sender's samples accumulated since then
         super().__init__(*args, **kwargs)
 
     @property
@@ -229,6 +243,9 @@ class PlannedAverager(DecentralizedAverager):
             self._last_round = outcome
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 outcome.began = time.time()
+                if self._robust is not None:
+                    outcome.weight_cap = self._robust.weight_cap(outcome.began - self._previous_began)
+                    self._previous_began = outcome.began
                 try:
                     runner_type = StreamingAllReduceRunner if outcome.planned else AllReduceRunner
                     await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions,
@@ -255,6 +272,10 @@ class PlannedAverager(DecentralizedAverager):
             p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors, group_id=group_id,
             ordered_peer_ids=group_info.peer_ids, **kwargs,
         )
+        if self._robust is not None and self._last_round is not None:
+            runner.tensor_part_reducer = RobustPartReducer(
+                tuple(part.shape for part in runner.parts_for_local_averaging), len(runner.sender_peer_ids),
+                rule=self._robust, weight_cap=self._last_round.weight_cap, total_elements=self.total_size)
         assert group_id in self._running_groups, f"Group id {group_id} was not registered in _register_allreduce_group"
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] != AveragingMode.AUX:
@@ -279,6 +300,9 @@ class PlannedAverager(DecentralizedAverager):
         reducer = runner.tensor_part_reducer
         if reducer.num_parts and reducer.num_senders:
             outcome.missing_inputs = reducer.num_parts * reducer.num_senders - sum(reducer.num_parts_received)
+        outcome.attested = notable_attestations(reducer, [str(peer) for peer in runner.sender_peer_ids])
+        if outcome.attested and self._attest is not None:
+            self._attest(group_info.group_id, outcome.attested)
 
 
 def _unwrap_announcements(gathered: Sequence[Any]) -> Tuple[List[Optional[float]], List[Any]]:

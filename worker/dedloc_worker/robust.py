@@ -1,0 +1,158 @@
+"""Robust aggregation: how an aggregator averages its parts when the run asks for CenteredClip.
+
+hivemind's ``TensorPartReducer`` adds each sender's part into a running weighted sum as it arrives. CenteredClip
+needs every sender's copy of a part first, so ``RobustPartReducer`` keeps the copies of the current part index
+until each sender has sent it, or was banned for missing the round's timeout (hivemind's ``on_sender_failed``),
+then aggregates them:
+
+1. a sender's weight (the samples it says it accumulated) is capped at the run's samples-per-second ceiling times
+   the time since this aggregator's previous round began, plus a grace for peers whose epoch began a little
+   earlier (``RobustRule.weight_cap``);
+2. a part or weight that is not finite is dropped (the sender still receives the result);
+3. the rest are averaged with ``centered_clip`` at a radius scaled to the part's size.
+
+Each sender's treatment is tallied in an ``Attestation``, which the averager hands to its ``attest`` callback
+once the round ends: it rides, signed, in the aggregator's metrics record (docs/averaging.md#robust-aggregation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from hivemind.averaging.partition import AllreduceException, BannedException, TensorPartReducer
+
+from .centered_clip import centered_clip
+
+
+@dataclass(frozen=True)
+class RobustRule:
+    """What an aggregator applies to the parts it averages.
+
+    :param tau: CenteredClip's radius for the whole gradient vector (its norm units); a part of k of the vector's
+      n elements is clipped at ``tau * sqrt(k / n)``, so the radius does not depend on how the vector is split
+    :param iterations: CenteredClip iterations
+    :param ceiling: the run's plausible samples per second per peer; None: weights are not capped
+    :param grace: seconds added to the observed time before capping (epochs of peers start a round apart at most)
+    """
+
+    tau: float
+    iterations: int
+    ceiling: Optional[float] = None
+    grace: float = 0.0
+
+    def weight_cap(self, elapsed: float) -> float:
+        """The most samples a sender can have accumulated in ``elapsed`` seconds (inf without a ceiling)."""
+        return math.inf if self.ceiling is None else self.ceiling * (max(elapsed, 0.0) + self.grace)
+
+
+@dataclass
+class Attestation:
+    """How one aggregator treated one sender in one round.
+
+    :param parts: parts of the sender it aggregated
+    :param weight: the weight the sender sent (samples; 0 if it was not finite); ``used``: after the cap
+    :param dropped: parts dropped as not finite
+    :param clipped: parts whose offset from the centre was clipped
+    :param kept: the smallest fraction of a clipped part's offset kept (1.0: none clipped)
+    """
+
+    parts: int = 0
+    weight: float = 0.0
+    used: float = 0.0
+    dropped: int = 0
+    clipped: int = 0
+    kept: float = 1.0
+
+    @property
+    def notable(self) -> bool:
+        """Whether anything was cut: only these are published."""
+        return self.dropped > 0 or self.clipped > 0 or self.used < self.weight
+
+    def as_record(self) -> dict:
+        return {"parts": self.parts, "weight": float(self.weight), "used": float(self.used),
+                "dropped": self.dropped, "clipped": self.clipped, "kept": round(float(self.kept), 6)}
+
+
+class RobustPartReducer(TensorPartReducer):
+    """``TensorPartReducer`` that aggregates each part with ``RobustRule`` once all its senders' copies arrived.
+
+    :param part_shapes: shapes of this aggregator's parts, in order
+    :param num_senders: senders in the group
+    :param rule: the cap and CenteredClip options
+    :param weight_cap: the most weight (samples) any sender may carry this round
+    :param total_elements: elements in the whole averaged vector (scales ``tau`` per part)
+    """
+
+    def __init__(self, part_shapes: Sequence[torch.Size], num_senders: int, *, rule: RobustRule,
+                 weight_cap: float, total_elements: int):
+        self.rule, self.weight_cap = rule, weight_cap
+        self.total_elements = max(int(total_elements), 1)
+        self.attestations: List[Attestation] = [Attestation() for _ in range(num_senders)]
+        self._inputs: List[Tuple[int, torch.Tensor, float]] = []
+        super().__init__(part_shapes, num_senders)
+
+    def reset_accumulators(self):
+        self._inputs = []
+        super().reset_accumulators()
+
+    async def accumulate_part(self, sender_index: int, part_index: int, tensor_part: torch.Tensor,
+                              weight: float = 1.0) -> torch.Tensor:
+        """hivemind 1.1.12's ``accumulate_part``, keeping the part instead of adding it to a sum."""
+        assert 0 <= sender_index < self.num_senders, "invalid sender index"
+        assert 0 <= part_index < self.num_parts, "invalid part index"
+        self.num_parts_received[sender_index] += 1
+        while part_index > self.current_part_index:
+            await asyncio.wait({self.current_part_future, asyncio.create_task(self.finished.wait())},
+                               return_when=asyncio.FIRST_COMPLETED)
+            if self.finished.is_set():
+                raise AllreduceException(f"attempted to aggregate part in a finalized {self.__class__.__name__}")
+        if self.sender_failed_after[sender_index] != float("inf"):
+            raise BannedException(f"sender {sender_index} was banned in background")
+        assert part_index == self.current_part_index
+        current_part_future = self.current_part_future
+        if part_index < self.sender_failed_after[sender_index]:
+            self._inputs.append((sender_index, tensor_part, float(weight)))
+            self.current_part_accumulated_from += 1
+            self.check_current_part_finished()
+        return await current_part_future
+
+    def check_current_part_finished(self):
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            self.current_part_future.set_result(self._aggregate(self._inputs))
+            self.reset_accumulators()
+
+    def _aggregate(self, inputs: List[Tuple[int, torch.Tensor, float]]) -> torch.Tensor:
+        kept, weights = [], []
+        for sender, part, weight in inputs:
+            note = self.attestations[sender]
+            note.parts += 1
+            note.weight = max(note.weight, weight) if math.isfinite(weight) else note.weight  # records stay JSON
+            used = min(weight, self.weight_cap) if math.isfinite(weight) else 0.0
+            note.used = used if note.parts == 1 else min(note.used, used)
+            if not math.isfinite(weight) or not bool(torch.isfinite(part).all()):
+                note.dropped += 1
+            elif used > 0:
+                kept.append((sender, part))
+                weights.append(used)
+        shape = self.part_shapes[self.current_part_index]
+        if not kept:
+            return torch.zeros(shape)  # nothing trustworthy carries weight: the mean of nothing, as hivemind's guard
+        radius = self.rule.tau * math.sqrt(shape.numel() / self.total_elements)
+        result = centered_clip(torch.stack([part for _, part in kept]), torch.tensor(weights, dtype=torch.float64),
+                               radius, self.rule.iterations)
+        for (sender, _), scale in zip(kept, result.scales.tolist()):
+            if scale < 1.0:
+                self.attestations[sender].clipped += 1
+                self.attestations[sender].kept = min(self.attestations[sender].kept, scale)
+        return result.centre.to(kept[0][1].dtype)
+
+
+def notable_attestations(reducer: TensorPartReducer, sender_peer_ids: Sequence[str]) -> Dict[str, dict]:
+    """PeerID -> what was cut from that sender in the round ``reducer`` aggregated (only senders cut at all)."""
+    notes = getattr(reducer, "attestations", ())
+    return {str(peer): note.as_record() for peer, note in zip(sender_peer_ids, notes) if note.notable}
