@@ -108,6 +108,8 @@ class Coordinator(Base):
     known_peers: Mapped[list[str]] = mapped_column(JSON, default=list)
     started_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     heartbeat_at: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
+    # Set when it stops cleanly (the last heartbeat stays, for the status page); cleared when it starts again.
+    stopped_at: Mapped[Optional[datetime]] = mapped_column(DateTime(timezone=True), nullable=True)
 
 
 class Snapshot(Base):
@@ -127,6 +129,9 @@ class Snapshot(Base):
     samples_total: Mapped[int] = mapped_column(BigInteger)
     samples_accumulated: Mapped[int] = mapped_column(BigInteger, default=0)
     eta_seconds: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    # Of peers_online: in client mode by their own choice, and found unreachable by the dial-back (client mode too).
+    peers_client: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
+    peers_unreachable: Mapped[int] = mapped_column(Integer, default=0, server_default="0")
 
 
 class Contribution(Base):
@@ -215,6 +220,8 @@ class Peer(Base):
     peer_key: Mapped[str] = mapped_column(String(64))
     username: Mapped[str] = mapped_column(String(100), index=True)
     hardware: Mapped[str] = mapped_column(String(200), default="")
+    # What the peer's metrics record says of it: contract.REACHABILITY ("" when not reported).
+    reachability: Mapped[str] = mapped_column(String(20), default="", server_default="")
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 

@@ -201,7 +201,8 @@ class CoordinatorNode:
         """Read progress and metrics from the DHT; credit new epochs, write a snapshot, refresh the heartbeat."""
         max_age = self.config.optimizer.metadata_expiration
         peers = [
-            PeerSeen(p.peer_key, p.progress.epoch, p.progress.samples_accumulated, p.progress.samples_per_second)
+            PeerSeen(p.peer_key, p.progress.epoch, p.progress.samples_accumulated, p.progress.samples_per_second,
+                     p.progress.client_mode)
             for p in read_progress(dht, self.config.run_id, max_age)
         ]
         if not peers:

@@ -18,6 +18,7 @@ class PeerSeen:
     epoch: int
     samples_accumulated: int
     samples_per_second: float
+    client_mode: bool = False
 
 
 def latest_loss(metrics: Sequence[SignedMetrics]) -> Optional[float]:
@@ -32,14 +33,20 @@ def latest_loss(metrics: Sequence[SignedMetrics]) -> Optional[float]:
 def summarize(
     peers: Sequence[PeerSeen], metrics: Sequence[SignedMetrics], target_batch_size: int, samples_total: int
 ) -> dict:
-    """Snapshot fields: peers online, throughput (samples/s), epoch, loss, totals and ETA (seconds)."""
+    """Snapshot fields: peers online (and how many of them are in client mode, by choice or found unreachable),
+    throughput (samples/s), epoch, loss, totals and ETA (seconds)."""
     epochs = [p.epoch for p in peers] or [item.record.epoch for item in metrics] or [0]
     epoch = max(epochs)
     speed = sum(p.samples_per_second for p in peers)
     accumulated = sum(p.samples_accumulated for p in peers if p.epoch == epoch)
     eta = max(target_batch_size - accumulated, 0) / speed if speed > 0 else None
+    reachability = {item.peer_key: item.record.reachability for item in metrics}
+    unreachable = sum(reachability.get(p.peer_key) == "unreachable" for p in peers)
     return dict(
         peers_online=len(peers),
+        peers_unreachable=unreachable,
+        peers_client=sum(p.client_mode for p in peers) - sum(
+            p.client_mode and reachability.get(p.peer_key) == "unreachable" for p in peers),
         samples_per_second=round(speed, 3),
         epoch=epoch,
         loss=latest_loss(metrics),

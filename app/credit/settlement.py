@@ -32,6 +32,7 @@ import statistics
 from datetime import datetime
 from typing import Iterable, Optional, Sequence
 
+from dedloc_common.contract import REACHABILITY
 from sqlalchemy import delete, func, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
@@ -155,11 +156,14 @@ def settle(session: Session, run: Run, groups: set[str], ungrouped: Sequence[tup
     member_users = users_of_peer_ids(session, run, {member for row in rows for member in (row.members or ())})
     windows = {epoch: epoch_window(session, run, epoch) for epoch in {row.epoch for row in rows}}
     changes, disputes = [], {}
+    failed = failed_checks(session, run, {row.peer_key for row in rows})  # a peer that failed a spot check is held
     for row in rows:
         window = observed_seconds(windows[row.epoch], row.recorded_at)
         if row.peer_key not in known:
             decision = Decision(0, row.samples, NO_TOKEN)
         else:
+        elif row.peer_key in failed:
+            decision = Decision(0, row.samples, failed[row.peer_key])
             decision = _decide_row(row, known, member_users, seen_by, run, window, disputes)
         now = (decision.credited, decision.held, decision.reason, window)
         if now != (row.credited, row.held, row.reason, row.observed_seconds):
@@ -233,7 +237,7 @@ def _keep_disputes(session: Session, run: Run, rows, wanted: dict) -> None:
 
 
 def record_peers(session: Session, run: Run, seen: Sequence[SignedMetrics], known: dict) -> None:
-    """First and last time each peer key was seen, whose it is, and the hardware it reported."""
+    """First and last time each peer key was seen, whose it is, the hardware and reachability it reported."""
     now = utcnow()
     rows = {row.peer_key: row for row in session.scalars(select(Peer).where(
         Peer.run_id == run.id, Peer.peer_key.in_([item.peer_key for item in seen])))}
@@ -244,3 +248,5 @@ def record_peers(session: Session, run: Run, seen: Sequence[SignedMetrics], know
             session.add(row)
         row.username = known.get(item.peer_key, (item.record.username,))[0]
         row.hardware, row.last_seen = item.record.hardware[:200], now
+        if item.record.reachability in REACHABILITY:
+            row.reachability = item.record.reachability

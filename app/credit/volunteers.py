@@ -27,14 +27,15 @@ class OwnPeer:
     hardware: str
     first_seen: datetime
     last_seen: datetime
+    reachability: str = ""  # contract.REACHABILITY, as the peer reported it
 
 
 def own_peers(session: Session, username: str) -> list[OwnPeer]:
     """The user's peer keys in every run, most recently seen first."""
     query = (select(Peer, Run.slug).join(Run, Run.id == Peer.run_id).where(Peer.username == username)
              .order_by(Peer.last_seen.desc(), Peer.id.desc()))
-    return [OwnPeer(slug, fingerprint(peer.peer_key), peer.hardware, as_utc(peer.first_seen), as_utc(peer.last_seen))
-            for peer, slug in session.execute(query)]
+    return [OwnPeer(slug, fingerprint(peer.peer_key), peer.hardware, as_utc(peer.first_seen), as_utc(peer.last_seen),
+                    peer.reachability) for peer, slug in session.execute(query)]
 
 
 @dataclass(frozen=True)

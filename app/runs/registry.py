@@ -144,7 +144,12 @@ def run_config(run: Run) -> RunConfig:
 def live_coordinators(session: Session, run: Run, timeout: float) -> list[Coordinator]:
     since = utcnow() - timedelta(seconds=timeout)
     rows = session.scalars(select(Coordinator).where(Coordinator.run_id == run.id))
-    return [row for row in rows if row.heartbeat_at and as_utc(row.heartbeat_at) >= since]
+    return [row for row in rows if is_up(row, since)]
+
+
+def is_up(row: Coordinator, since) -> bool:
+    """Whether a coordinator beat after ``since`` and has not stopped since."""
+    return row.stopped_at is None and row.heartbeat_at is not None and as_utc(row.heartbeat_at) >= since
 
 
 def join_info(session: Session, run: Run, coordinator_timeout: float) -> JoinInfo:
@@ -154,7 +159,19 @@ def join_info(session: Session, run: Run, coordinator_timeout: float) -> JoinInf
     peers = [addr for row in live_coordinators(session, run, coordinator_timeout) for addr in row.multiaddrs]
     newest = checkpoints.latest(session, run)
     return JoinInfo(config=run_config(run), initial_peers=peers,
-                    checkpoint=None if newest is None else checkpoints.describe(newest, run.slug))
+                    checkpoint=None if newest is None else checkpoints.describe(newest, run.slug),
+                    notice=None if peers else no_coordinator_notice(session, run))
+
+
+def no_coordinator_notice(session: Session, run: Run) -> str:
+    """In words: no coordinator of ``run`` is up, and when the last one was."""
+    beats = [as_utc(row.heartbeat_at) for row in session.scalars(select(Coordinator).where(
+        Coordinator.run_id == run.id)) if row.heartbeat_at is not None]
+    if not beats:
+        return f"no coordinator of run {run.slug!r} has started yet; workers wait until one is up"
+    ago = (utcnow() - max(beats)).total_seconds()
+    return (f"no coordinator of run {run.slug!r} is up (last heartbeat {ago:.0f} s ago); workers wait until one "
+            "is up, and training peers carry on meanwhile")
 
 
 def set_state(session: Session, run: Run, state: str) -> None:
@@ -173,7 +190,7 @@ def register_coordinator(session: Session, run: Run, peer_id: str, multiaddrs: l
     if row is None:
         row = Coordinator(run_id=run.id, peer_id=peer_id, multiaddrs=multiaddrs, known_peers=[])
         session.add(row)
-    row.multiaddrs, row.started_at, row.heartbeat_at = multiaddrs, utcnow(), utcnow()
+    row.multiaddrs, row.started_at, row.heartbeat_at, row.stopped_at = multiaddrs, utcnow(), utcnow(), None
     session.commit()
     return row
 
@@ -189,10 +206,14 @@ def find_coordinator(session: Session, run: Run, peer_id: str) -> Optional[Coord
 
 
 def heartbeat(session: Session, coordinator_id: int, alive: bool = True, known_peers: Optional[list[str]] = None):
-    """Mark a coordinator alive (or stopped), remembering the worker addresses it saw if given."""
+    """Mark a coordinator alive (or stopped, keeping its last heartbeat), remembering the worker addresses it saw
+    if given."""
     row = session.get(Coordinator, coordinator_id)
     if row is not None:
-        row.heartbeat_at = utcnow() if alive else None
+        if alive:
+            row.heartbeat_at, row.stopped_at = utcnow(), None
+        else:
+            row.stopped_at = utcnow()
         if known_peers:
             row.known_peers = known_peers
         session.commit()

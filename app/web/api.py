@@ -12,6 +12,7 @@ from fastapi.responses import FileResponse
 from app.credit import ledger, standings
 
 from app.runs import checkpoints, files, plans, registry, snapshots
+from app.runs.status import RunStatus, run_status
 from app.runs.progress import RunProgress, run_progress
 from app.web.deps import RunDep, SessionDep, SettingsDep
 from app.web.responses import BINARY, BUSY, UNKNOWN_RUN, error
@@ -37,6 +38,13 @@ def get_run(run: RunDep):
 def join(run: RunDep, session: SessionDep, settings: SettingsDep):
     """What a worker needs to join: the run config and the coordinators' addresses."""
     return registry.join_info(session, run, settings.coordinator_timeout)
+
+
+@router.get("/runs/{slug}/status", response_model=RunStatus, responses=UNKNOWN_RUN)
+def status(run: RunDep, session: SessionDep, settings: SettingsDep):
+    """Whether the run can be joined now: each coordinator up or down with its last heartbeat, the peers online
+    by reachability (reachable, found unreachable, client by choice), and the portal's version."""
+    return run_status(session, run, settings.coordinator_timeout)
 
 
 @router.get("/runs/{slug}/swarm", response_model=SwarmOut, responses=UNKNOWN_RUN)

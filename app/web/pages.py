@@ -9,6 +9,7 @@ from app.credit import ledger, standings
 
 from app.runs import checkpoints, plans, registry
 from app.runs.progress import run_progress
+from app.runs.status import run_status
 from app.web.deps import RunDep, SessionDep, SettingsDep
 from app.web.identity import OptionalUser, is_organizer
 from app.web.views import current_swarm
@@ -33,6 +34,7 @@ def dashboard(request: Request, run: RunDep, session: SessionDep, settings: Sett
     return render(request, "dashboard.html", run=run, swarm=current_swarm(session, run),
                   leaders=ledger.leaderboard(session, run, 10), plan=plans.public_plan(session, run),
                   checkpoints=saved, progress=run_progress(session, run),
+                  status=run_status(session, run, settings.coordinator_timeout),
                   can_organize=registry.may_organize(session, settings, run, user))
 
 

@@ -147,6 +147,8 @@ class JoinInfo(BaseModel):
     initial_peers: List[str] = Field(description="multiaddrs of the run's coordinator(s); empty while none is up")
     checkpoint: Optional[CheckpointInfo] = Field(None, description="the newest checkpoint: where a swarm that "
                                                  "lost every peer resumes")
+    notice: Optional[str] = Field(None, description="in words, why a worker cannot join now (no coordinator is up, "
+                                  "since when); None when it can")
 
 
 class EpochContribution(pydantic_v1.BaseModel):
@@ -196,6 +198,13 @@ class MetricsRecord(pydantic_v1.BaseModel):
     # What the peer trains on, in words ("cuda: NVIDIA A100", "cpu: 8 threads"): shown to its owner only.
     hardware: pydantic_v1.StrictStr = ""
     link: Optional[LinkReport] = None
+    # How the peer's mode was decided (one of REACHABILITY), "" when not reported.
+    reachability: pydantic_v1.StrictStr = ""
+
+
+# A worker's own account of its reachability: the coordinator's dial-back reached it (a full peer), or did not
+# (it trains in client mode by itself), or it was told --client.
+REACHABILITY = ("reachable", "unreachable", "client")
 
 
 def mean_loss(contributions: List[EpochContribution]) -> Optional[float]:

@@ -31,18 +31,32 @@ def fetch_join_info(portal_url: str, slug: str, transport: httpx.BaseTransport |
         raise PortalError(f"the portal sent a run config this worker does not understand; upgrade dedloc-worker ({e})")
 
 
-def wait_for_peers(portal_url: str, slug: str, wait_seconds: float, say=print) -> JoinInfo:
-    """Fetch join info until the run has a coordinator online, for at most ``wait_seconds``."""
+def wait_for_peers(portal_url: str, slug: str, wait_seconds: float, say=None, first_delay: float = 1.0,
+                   max_delay: float = 30.0) -> JoinInfo:
+    """Fetch join info until the run has a coordinator online, for at most ``wait_seconds``, asking again after
+    ``first_delay`` seconds, then twice as long each time up to ``max_delay``: one line to the user per try."""
+    say = say or (lambda line: print(line, flush=True))
     deadline = time.monotonic() + wait_seconds
-    info = fetch_join_info(portal_url, slug)
-    if not info.initial_peers:
-        say(f"waiting up to {wait_seconds:.0f} s for run {slug!r} to have a coordinator online...")
-    while not info.initial_peers:
-        if time.monotonic() > deadline:
-            raise PortalError(f"run {slug!r} has no coordinator online; ask its organizer, or retry later")
-        time.sleep(1.0)
-        info = fetch_join_info(portal_url, slug)
+    delay = first_delay
+    info, why = _join_info_or_reason(portal_url, slug)
+    while info is None or not info.initial_peers:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise PortalError(f"{why}; gave up after {wait_seconds:.0f} s (--wait): retry later")
+        say(f"{why}; asking again in {min(delay, left):.0f} s")
+        time.sleep(min(delay, left))
+        delay = min(2 * delay, max_delay)
+        info, why = _join_info_or_reason(portal_url, slug)
     return info
+
+
+def _join_info_or_reason(portal_url: str, slug: str) -> tuple[JoinInfo | None, str]:
+    """Join info, or None with why not (an unreachable portal is waited out like a coordinator that is down)."""
+    try:
+        info = fetch_join_info(portal_url, slug)
+    except PortalError as e:
+        return None, str(e)
+    return info, info.notice or f"run {slug!r} has no coordinator online"
 
 
 def request_peer_token(portal_url: str, slug: str, credential: str, public_key: bytes,

@@ -1,0 +1,89 @@
+"""The run's status (``GET /api/v1/runs/{slug}/status``, the run page's section, the join API's notice), served by
+the real app on a migrated database, as coordinators start, beat, stop and crash."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from importlib.metadata import version
+
+import pytest
+from fastapi.testclient import TestClient
+from markupsafe import escape
+
+from app.core.clock import utcnow
+from app.core.config import Settings
+from app.models import Coordinator
+from app.runs import registry
+from app.runs.snapshots import record_snapshot
+from app.web.main import create_app
+
+TIMEOUT = 30.0  # the portal's coordinator timeout, seconds
+
+
+@pytest.fixture
+def client(database_url, sessions, tmp_path):
+    with sessions() as session:
+        registry.create_run(session, slug="demo", title="Demo run")
+    with TestClient(create_app(Settings(database_url=database_url, data_dir=tmp_path,
+                                        coordinator_timeout=TIMEOUT))) as client:
+        yield client
+
+
+def status(client) -> dict:
+    response = client.get("/api/v1/runs/demo/status")
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_status_follows_coordinators_up_stopped_and_crashed(client, sessions):
+    before = status(client)
+    assert (before["coordinators_up"], before["coordinators"]) == (0, [])
+    assert "no coordinator of run 'demo' has started yet" in before["notice"]
+    assert before["portal_version"] == version("dedloc")
+    join = client.get("/api/v1/runs/demo/join").json()
+    assert join["initial_peers"] == [] and join["notice"] == before["notice"]
+
+    with sessions() as session:
+        run = registry.get_run(session, "demo")
+        first = registry.register_coordinator(session, run, "QmFirst", ["/ip4/10.0.0.1/tcp/1/p2p/QmFirst"]).id
+        second = registry.register_coordinator(session, run, "QmSecond", ["/dns4/swarm.example.org/tcp/2/p2p/QmSecond"])
+        record_snapshot(session, run, peers_online=5, peers_client=1, peers_unreachable=2, samples_per_second=1.0,
+                        epoch=3, loss=None, samples_total=0)
+    up = status(client)
+    assert up["coordinators_up"] == 2 and up["notice"] is None
+    assert {c["peer_id"]: c["up"] for c in up["coordinators"]} == {"QmFirst": True, "QmSecond": True}
+    assert {k: up["peers"][k] for k in ("online", "reachable", "unreachable", "client")} == {
+        "online": 5, "reachable": 2, "unreachable": 2, "client": 1}
+    join = client.get("/api/v1/runs/demo/join").json()
+    assert join["notice"] is None and "/dns4/swarm.example.org/tcp/2/p2p/QmSecond" in join["initial_peers"]
+
+    with sessions() as session:
+        registry.heartbeat(session, first, alive=False)  # a clean stop
+        crashed = session.get(Coordinator, second.id)  # a crash: its heartbeat only ages
+        crashed.heartbeat_at = utcnow() - timedelta(seconds=TIMEOUT + 5)
+        session.commit()
+    down = status(client)
+    assert down["coordinators_up"] == 0
+    by_id = {c["peer_id"]: c for c in down["coordinators"]}
+    assert not by_id["QmFirst"]["up"] and by_id["QmFirst"]["stopped_at"] is not None
+    assert by_id["QmFirst"]["last_heartbeat"] == up["coordinators"][[c["peer_id"] for c in up["coordinators"]].index(
+        "QmFirst")]["last_heartbeat"], "a clean stop keeps the last heartbeat"
+    assert not by_id["QmSecond"]["up"] and by_id["QmSecond"]["stopped_at"] is None
+    assert "no coordinator of run 'demo' is up (last heartbeat" in down["notice"]
+    join = client.get("/api/v1/runs/demo/join").json()
+    assert join["initial_peers"] == [] and join["notice"].startswith("no coordinator of run 'demo' is up")
+
+    page = client.get("/runs/demo").text
+    assert 'id="status-coordinators"' in page and ">down<" in page and ">up<" not in page
+    assert str(escape(down["notice"].split(" (")[0])) in page
+
+    with sessions() as session:
+        registry.register_coordinator(session, registry.get_run(session, "demo"), "QmFirst", ["/ip4/10.0.0.1/tcp/1"])
+    back = status(client)
+    assert back["coordinators_up"] == 1 and back["notice"] is None
+    assert ">up<" in client.get("/runs/demo").text
+
+
+def test_status_of_an_unknown_run_is_a_404(client):
+    response = client.get("/api/v1/runs/nope/status")
+    assert response.status_code == 404 and "nope" in response.text
