@@ -156,14 +156,11 @@ def settle(session: Session, run: Run, groups: set[str], ungrouped: Sequence[tup
     member_users = users_of_peer_ids(session, run, {member for row in rows for member in (row.members or ())})
     windows = {epoch: epoch_window(session, run, epoch) for epoch in {row.epoch for row in rows}}
     changes, disputes = [], {}
-    failed = failed_checks(session, run, {row.peer_key for row in rows})  # a peer that failed a spot check is held
     for row in rows:
         window = observed_seconds(windows[row.epoch], row.recorded_at)
         if row.peer_key not in known:
             decision = Decision(0, row.samples, NO_TOKEN)
         else:
-        elif row.peer_key in failed:
-            decision = Decision(0, row.samples, failed[row.peer_key])
             decision = _decide_row(row, known, member_users, seen_by, run, window, disputes)
         now = (decision.credited, decision.held, decision.reason, window)
         if now != (row.credited, row.held, row.reason, row.observed_seconds):
