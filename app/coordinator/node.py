@@ -92,7 +92,7 @@ class CoordinatorNode:
         self.listen = listen
         # Where peers reach us from outside (containers, NAT); empty: the addresses the daemon sees itself.
         self.announce = announced_maddrs(settings.announce_maddrs, listen)
-        self.plans = PlanKeeper(settings, min_interval_s=settings.plan_interval)
+        self.plans = PlanKeeper(settings, min_interval_s=settings.plan_interval, config=self.config)
         self.checkpointer = None
         self.acked: dict[str, tuple[int, float]] = {}  # peer key -> (epoch acknowledged, when: time.monotonic())
 
@@ -284,5 +284,6 @@ def links_online(session, run, metrics: list[SignedMetrics], online: set[str], m
     reporting = [m for m in metrics if m.record.link is not None
                  and (m.peer_key in online or now - m.record.time <= max_age)]
     known = owners(session, run, (m.peer_key for m in reporting))
-    return [LinkSeen(m.peer_key, known[m.peer_key][1], known[m.peer_key][0], m.record.link, m.record.hardware)
+    return [LinkSeen(m.peer_key, known[m.peer_key][1], known[m.peer_key][0], m.record.link, m.record.hardware,
+                     m.record.samples_per_second)
             for m in reporting if m.peer_key in known]

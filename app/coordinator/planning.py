@@ -16,14 +16,14 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from dedloc_common.contract import GRADIENT_PART_BYTES, LinkReport, PlanRecord, plan_payload
+from dedloc_common.contract import GRADIENT_PART_BYTES, LinkReport, PlanRecord, RunConfig, plan_payload
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.authority import tokens
 from app.core.config import Settings
 from app.models import AveragingPlan, Run
-from app.planner import PeerProfile, Plan, PlanningError, Replanner
+from app.planner import PeerProfile, Plan, PlanningError, Replanner, StepOptions
 
 logger = logging.getLogger("dedloc.coordinator")
 # Share of the vector the live plan spreads evenly over the senders, at most. hivemind hands out whole parts, so a
@@ -31,6 +31,9 @@ logger = logging.getLogger("dedloc.coordinator")
 # worth, or its even slice of ATTESTATION_SHARE on a small vector (docs/averaging.md#attestation-floor).
 ATTESTATION_SHARE = 0.5
 ATTESTATION_PARTS = 2
+# Bytes per second of parts a CPU peer aggregates, on the cores it trains on: four peers on 2 cores are CPU-bound
+# near 240 Mbit/s each way (docs/benchmarks.md#staying-within-the-cpu), 60 MB/s per core (docs/averaging.md#step).
+CPU_REDUCE_BPS = 60e6
 
 
 def attestation_floor(peers: list[PeerProfile], vector_bytes: float) -> float:
@@ -52,15 +55,37 @@ class LinkSeen:
     username: str
     link: LinkReport
     hardware: str = ""  # the worker's own words, "cuda: <GPU>" or "cpu: N threads"
+    samples_per_second: float = 0.0  # its training throughput, as its metrics record reports it
 
 
 def profiles_of(peers: Sequence[LinkSeen]) -> list[PeerProfile]:
-    """The planner's view of the peers that measured their link (the others keep hivemind's split)."""
+    """The planner's view of the peers that measured their link (the others keep hivemind's split): their measured
+    compute, and for a peer that trains on its CPU, what aggregating costs its training."""
     return [
-        PeerProfile(peer.peer_id, 0.0, peer.link.upload_bps, peer.link.download_bps,
-                    client_mode=peer.link.client_mode, aux=peer.link.aux)
+        PeerProfile(peer.peer_id, 0.0 if peer.link.aux else peer.samples_per_second, peer.link.upload_bps,
+                    peer.link.download_bps, client_mode=peer.link.client_mode, aux=peer.link.aux,
+                    **cpu_cost(peer.hardware))
         for peer in peers if peer.link.upload_bps > 0 and peer.link.download_bps > 0
     ]
+
+
+def cpu_cost(hardware: str) -> dict:
+    """A CPU peer aggregates on the cores it trains on; a GPU peer's training does not wait for its CPU."""
+    if hardware.startswith("cpu"):
+        return dict(reduce_bps=CPU_REDUCE_BPS, reduce_costs_training=True)
+    return {}
+
+
+def step_options(config: RunConfig) -> StepOptions:
+    """What the step model needs from the run: its global batch, delayed parameter updates, its group size."""
+    opt = config.optimizer
+    return StepOptions(target_batch_size=config.target_batch_size, overlap=opt.delay_grad_averaging,
+                       group_size=opt.group_size)
+
+
+def group_of(plan: Plan, peer_id: str) -> int:
+    """The index of the peer's averaging group in the plan (0 when the plan has one group)."""
+    return next((index for index, group in enumerate(plan.groups) if peer_id in group), 0)
 
 
 def role_of(link: LinkReport) -> str:
@@ -70,8 +95,10 @@ def role_of(link: LinkReport) -> str:
 class PlanKeeper:
     """Keeps one run's averaging plan current. ``update`` once per poll; returns the record to publish."""
 
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic, min_interval_s: float = 30.0):
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic, min_interval_s: float = 30.0,
+                 config: Optional[RunConfig] = None):
         self.settings, self.clock, self.min_interval_s = settings, clock, min_interval_s
+        self.step = step_options(config) if config is not None else None  # None: plan the round alone
         self.replanner: Optional[Replanner] = None
         self.vector_bytes = 0
         self.record: Optional[PlanRecord] = None
@@ -85,7 +112,7 @@ class PlanKeeper:
             if vector_bytes != self.vector_bytes:  # a new task or model: old plans say nothing about it
                 # hold_back=False: the workers' averager streams results to zero-share peers in planned groups
                 self.replanner = Replanner(vector_bytes=vector_bytes, clock=self.clock, hold_back=False,
-                                           min_interval_s=self.min_interval_s,
+                                           min_interval_s=self.min_interval_s, step=self.step,
                                            min_share=functools.partial(attestation_floor, vector_bytes=vector_bytes))
                 self.vector_bytes = vector_bytes
             try:
@@ -112,14 +139,17 @@ class PlanKeeper:
                         share=plan.shares.get(peer.peer_id, 0.0), role=role_of(peer.link),
                         upload_bps=peer.link.upload_bps, download_bps=peer.link.download_bps,
                         # the kind only ("cuda", "cpu"): the public plan does not name a volunteer's GPU model
-                        device=peer.hardware.split(":", 1)[0] if peer.hardware else "")
+                        device=peer.hardware.split(":", 1)[0] if peer.hardware else "",
+                        # what the solution gives it to do, and its averaging group (docs/averaging.md#groups)
+                        step_role=plan.roles.get(peer.peer_id, ""), group=group_of(plan, peer.peer_id))
                    for peer in peers if peer.peer_id in plan.shares],
         )
         session.add(row)
         session.flush()
         self.row_id = row.id
-        logger.info("new averaging plan (%s): predicted %.3f s per round, bound %.3f s",
-                    reason, plan.predicted_seconds, plan.lower_bound_seconds)
+        step = f", {plan.step_seconds:.3f} s per step" if plan.step_seconds is not None else ""
+        logger.info("new averaging plan (%s): predicted %.3f s per round%s, bound %.3f s",
+                    reason, plan.predicted_seconds, step, plan.lower_bound_seconds)
 
     def _note_measured(self, session: Session, peers: Sequence[LinkSeen]) -> None:
         """The median round time the peers report under the current plan."""

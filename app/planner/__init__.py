@@ -1,7 +1,8 @@
 """Adaptive averaging planner: who aggregates which share of the gradient vector (DeDLOC, section 3.2).
 
 Pure Python over numpy and scipy: no torch, no hivemind. Bandwidths are bytes per second, sizes bytes, times
-seconds. ``plan_averaging`` solves the LP; the ``*_seconds`` functions model the strategies it is compared with;
+seconds. ``plan_averaging`` solves the LP of one averaging round; ``plan_step`` that of the whole optimizer step,
+in groups; the ``*_seconds`` functions model the strategies it is compared with;
 ``Replanner`` decides when a new plan is worth publishing.
 """
 
@@ -18,21 +19,27 @@ from app.planner.lp import (
     ring_allreduce_seconds,
     round_seconds,
 )
-from app.planner.model import PeerProfile, Plan, PlanningError
+from app.planner.model import ROLES, PeerProfile, Plan, PlanningError
+from app.planner.step import StepOptions, partition_groups, plan_cost, plan_step
 
 __all__ = [
     "HOLD_BACK_FLOOR",
     "PeerProfile",
     "Plan",
     "PlanningError",
+    "ROLES",
     "Replanner",
+    "StepOptions",
     "byteps_seconds",
     "equal_split_seconds",
     "hivemind_shares",
     "hivemind_split_seconds",
     "lower_bound_seconds",
     "parameter_server_seconds",
+    "partition_groups",
     "plan_averaging",
+    "plan_cost",
+    "plan_step",
     "ring_allreduce_seconds",
     "round_seconds",
 ]

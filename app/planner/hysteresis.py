@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterable
 
 from app.planner.lp import plan_averaging, round_seconds
 from app.planner.model import PeerProfile, Plan, PlanningError
+from app.planner.step import StepOptions, plan_cost, plan_step
 
 
 class Replanner:
@@ -24,6 +25,8 @@ class Replanner:
     :param min_interval_s: least seconds between two solves, unless a named peer has left
     :param hold_back: model hivemind 1.1.12's hold-back of results for zero-share peers (see ``app.planner.lp``)
     :param min_share: the floor share of every sender for these peers (``plan_averaging``'s ``min_share``)
+    :param step: plan the whole optimizer step, in groups (``plan_step``) and compare plans by step time; None plans
+      the averaging round alone (``plan_averaging``)
     """
 
     def __init__(
@@ -35,6 +38,7 @@ class Replanner:
         min_interval_s: float = 30.0,
         hold_back: bool = True,
         min_share: Callable[[list[PeerProfile]], float | None] = lambda peers: None,
+        step: StepOptions | None = None,
     ) -> None:
         if not 0.0 <= min_improvement < 1.0:
             raise PlanningError(f"min_improvement is a fraction in [0, 1), got {min_improvement}")
@@ -46,6 +50,7 @@ class Replanner:
         self._min_interval_s = min_interval_s
         self._hold_back = hold_back
         self._min_share = min_share
+        self._step = step
         self._current: Plan | None = None
         self._solved_for: frozenset[PeerProfile] | None = None
         self._solved_at = 0.0
@@ -78,7 +83,11 @@ class Replanner:
         return self._keep("new plan is not faster by more than the threshold")
 
     def _solve(self, peers: list[PeerProfile], key: frozenset[PeerProfile]) -> Plan:
-        plan = plan_averaging(peers, self._vector_bytes, hold_back=self._hold_back, min_share=self._min_share(peers))
+        if self._step is not None:
+            plan = plan_step(peers, self._vector_bytes, self._step, min_share=self._min_share, hold_back=self._hold_back)
+        else:
+            plan = plan_averaging(peers, self._vector_bytes, hold_back=self._hold_back,
+                                  min_share=self._min_share(peers))
         self._solved_for, self._solved_at = key, self._clock()
         return plan
 
@@ -89,10 +98,15 @@ class Replanner:
     def _improves(self, candidate: Plan, peers: list[PeerProfile]) -> bool:
         assert self._current is not None
         try:
-            current = round_seconds(peers, self._current.shares, self._vector_bytes, hold_back=self._hold_back)
+            if self._step is not None:
+                current = plan_cost(peers, self._current, self._vector_bytes, self._step, hold_back=self._hold_back)
+            else:
+                current = round_seconds(peers, self._current.shares, self._vector_bytes, hold_back=self._hold_back)
         except PlanningError:
             return True  # the current shares no longer fit, e.g. an aggregator switched to client mode
-        return candidate.predicted_seconds < (1.0 - self._min_improvement) * current
+        new = candidate.step_seconds if self._step is not None and candidate.step_seconds is not None \
+            else candidate.predicted_seconds
+        return new < (1.0 - self._min_improvement) * current
 
     def _publish(self, plan: Plan, reason: str) -> Plan:
         self._current, self.last_reason = plan, reason

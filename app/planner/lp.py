@@ -45,6 +45,7 @@ class _Swarm:
         self.vector_bytes = float(vector_bytes)
         self.up = np.array([p.upload_bps for p in self.peers], dtype=float)
         self.down = np.array([p.download_bps for p in self.peers], dtype=float)
+        self.reduce = np.array([p.reduce_bps for p in self.peers], dtype=float)
         self.sends = np.array([p.sends for p in self.peers], dtype=bool)
         self.aggregates = np.array([p.can_aggregate for p in self.peers], dtype=bool)
         self.n_senders = int(self.sends.sum())

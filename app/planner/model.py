@@ -6,9 +6,14 @@ Units throughout the planner: bandwidths in bytes per second (not bits), vector 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from app.core.errors import Invalid
+
+
+ROLES = ("compute+aggregate", "compute", "aggregate", "idle")
+"""What a peer does in a step: trains and aggregates more than the floor share, only trains (its share is the floor
+or zero), only aggregates (an auxiliary peer with a share), or nothing (an auxiliary peer the plan leaves out)."""
 
 
 class PlanningError(Invalid):
@@ -27,6 +32,10 @@ class PeerProfile:
     :param client_mode: the peer cannot accept incoming connections (behind NAT): it sends and receives, but
       never aggregates, so its share is always zero
     :param aux: auxiliary peer: contributes no vector of its own, but may aggregate (a CPU server)
+    :param reduce_bps: bytes per second of incoming parts the peer can aggregate (its CPU's rate, serialization
+      included); ``math.inf`` where aggregating is never what limits it
+    :param reduce_costs_training: aggregating runs on the cores the peer trains on (a CPU peer), so each second it
+      spends aggregating during the next accumulation (delayed parameter updates) is a second of training lost
     """
 
     peer: str
@@ -35,6 +44,8 @@ class PeerProfile:
     download_bps: float
     client_mode: bool = False
     aux: bool = False
+    reduce_bps: float = math.inf
+    reduce_costs_training: bool = False
 
     def __post_init__(self) -> None:
         if not self.peer:
@@ -45,6 +56,9 @@ class PeerProfile:
                 raise PlanningError(f"peer {self.peer}: {name} must be a positive number of bytes/s, got {value}")
         if not (math.isfinite(self.samples_per_second) and self.samples_per_second >= 0):
             raise PlanningError(f"peer {self.peer}: samples_per_second must be >= 0, got {self.samples_per_second}")
+        if not (self.reduce_bps > 0):  # inf is allowed: aggregating never limits the peer
+            raise PlanningError(f"peer {self.peer}: reduce_bps must be a positive number of bytes/s, got "
+                                f"{self.reduce_bps}")
 
     @property
     def sends(self) -> bool:
@@ -65,11 +79,22 @@ class Plan:
       shares are >= 0 and sum to 1
     :param predicted_seconds: modelled duration of one averaging round under these shares, seconds
     :param lower_bound_seconds: bandwidth lower bound for the same peers and vector, seconds
+    :param groups: the averaging groups the plan was solved for, peer ids per group (``plan_step``); empty: one
+      group of every peer. Shares sum to 1 within each group.
+    :param accumulate_seconds: modelled seconds for the swarm to accumulate the global batch (``plan_step``, where
+      the peers' compute is known), None otherwise
+    :param step_seconds: modelled seconds per optimizer step, accumulation plus averaging (overlapped under delayed
+      parameter updates), None where compute is unknown
+    :param roles: each peer's role as the solution gives it (``ROLES``); empty for ``plan_averaging``
     """
 
     shares: dict[str, float]
     predicted_seconds: float
     lower_bound_seconds: float
+    groups: tuple[tuple[str, ...], ...] = ()
+    accumulate_seconds: float | None = None
+    step_seconds: float | None = None
+    roles: dict[str, str] = field(default_factory=dict)
 
     @property
     def gap(self) -> float:

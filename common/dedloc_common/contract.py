@@ -87,6 +87,9 @@ class OptimizerOptions(BaseModel):
     metadata_expiration: float = Field(60.0, gt=0)
     delay_optimizer_step: bool = False
     delay_grad_averaging: bool = False
+    # At most this many peers average together (hivemind's target_group_size); a larger swarm averages in groups,
+    # so that a peer that fails mid-round fails its group only (docs/averaging.md#groups). 8 as in sahajBERT.
+    group_size: int = Field(8, ge=2, le=1024)
 
 
 # Loopback swarms (the demo, the tests): every peer on one machine, rounds form in well under a second.

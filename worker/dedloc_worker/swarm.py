@@ -137,7 +137,9 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
 
     opt = config.optimizer
     # hivemind warns (and can deadlock) when a request may outlive matchmaking; both averagers get this.
-    averager_opts = dict(request_timeout=opt.matchmaking_time / 2)
+    # target_group_size: a leader starts its round once the group holds this many peers, so a larger swarm averages
+    # in groups of at most this many (docs/averaging.md#groups).
+    averager_opts = dict(request_timeout=opt.matchmaking_time / 2, target_group_size=opt.group_size)
     on_interrupt = signal.getsignal(signal.SIGINT)
     optimizer = AccountedOptimizer(
         dht=dht,
