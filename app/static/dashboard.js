@@ -3,6 +3,11 @@
   const root = document.getElementById("swarm");
   const slug = root.dataset.slug;
   const maxPoints = 300;
+  // The whole run in at most maxPoints: one point per `step` seconds (the API thins the history to that).
+  const started = Date.parse(root.dataset.started || "");
+  const span = Number.isNaN(started) ? 0 : (Date.now() - started) / 1000;
+  const step = Math.ceil(span / maxPoints);
+  let lastPointAt = 0;
   const fmt = {
     samples_total: (v) => v.toLocaleString("en-US"),
     samples_per_second: (v) => v.toFixed(0),
@@ -26,7 +31,10 @@
 
   function addPoint(swarm) {
     if (!swarm.updated_at) return;
-    const label = new Date(swarm.updated_at).toLocaleTimeString();
+    const at = Date.parse(swarm.updated_at);
+    if (at - lastPointAt < step * 1000) return;  // live updates join the chart at the history's resolution
+    lastPointAt = at;
+    const label = span > 86400 ? new Date(at).toLocaleString() : new Date(at).toLocaleTimeString();
     for (const [field, c] of Object.entries(charts)) {
       c.data.labels.push(label);
       c.data.datasets[0].data.push(swarm[field]);
@@ -50,7 +58,7 @@
   }
 
   let last = null;
-  fetch(`/api/v1/runs/${slug}/history?limit=${maxPoints}`).then((r) => r.json()).then((points) => {
+  fetch(`/api/v1/runs/${slug}/history?limit=${maxPoints}&step=${step}`).then((r) => r.json()).then((points) => {
     points.forEach(addPoint);
     if (points.length) last = points[points.length - 1].updated_at;
     Object.values(charts).forEach((c) => c.update());

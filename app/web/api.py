@@ -58,8 +58,12 @@ def history(
     session: SessionDep,
     limit: Annotated[int, Query(ge=1, le=10_000, description="at most this many snapshots, newest kept")] = 500,
     since: Annotated[Optional[UtcDateTimeIn], Query(description="only snapshots after this RFC 3339 time")] = None,
+    step: Annotated[int, Query(ge=0, le=31 * 86400, description=(
+        "seconds: only the newest snapshot of each interval this long (0: every snapshot). History older than a "
+        "day is kept one a minute, older than 30 days one an hour"))] = 0,
 ):
-    return [swarm_out(run, snapshot) for snapshot in snapshots.history(session, run, limit, since)]
+    """The swarm over time, oldest first: the newest ``limit`` snapshots, thinned to one per ``step`` seconds."""
+    return [swarm_out(run, snapshot) for snapshot in snapshots.history(session, run, limit, since, step)]
 
 
 @router.get("/runs/{slug}/plan", response_model=plans.PublicPlan,
