@@ -2,7 +2,8 @@
 
     python -m bench [--rounds N]
 
-1. The averaging simulation (``bench.simulate_averaging``, deterministic): ``averaging_sim.json``.
+1. The averaging simulation (``bench.simulate_averaging``, deterministic): ``averaging_sim.json``; and a
+   1,000-peer swarm averaging in groups (``bench.simulate_groups``): ``averaging_groups.json`` and ``.md``.
 2. The averaging emulation on network namespaces (``bench.emulate_averaging``, needs root; a "skipped" row
    elsewhere): ``averaging_emu.json``.
 3. Both side by side: ``averaging.json`` (a list of rows with ``mode`` "sim" or "emu") and ``averaging.md``.
@@ -19,7 +20,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import emulate_averaging, simulate_averaging, training
+from bench import emulate_averaging, simulate_averaging, simulate_groups, training
 from bench.emulate_averaging import ROUNDS
 
 RESULTS = Path("bench/results")
@@ -34,6 +35,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     sim_path, emu_path = RESULTS / "averaging_sim.json", RESULTS / "averaging_emu.json"
     code = simulate_averaging.main(["--scale", "1000", "--out", str(sim_path)])
+    code = code or simulate_groups.main(["--out", str(RESULTS / "averaging_groups.json")])
     code = code or emulate_averaging.main(["--rounds", str(args.rounds), "--out", str(emu_path)])
     if code:
         return code

@@ -23,6 +23,7 @@ from app.planner import (
     plan_step,
     round_seconds,
 )
+from bench import simulate_groups
 from dedloc_common.contract import LinkReport, OptimizerOptions, RunConfig
 
 MBIT = 1e6 / 8
@@ -216,3 +217,13 @@ def test_profiles_carry_measured_compute_and_what_aggregating_costs_a_cpu_peer()
     assert (cpu.samples_per_second, cpu.reduce_costs_training, cpu.reduce_bps) == (120.0, True, CPU_REDUCE_BPS)
     assert (gpu.samples_per_second, gpu.reduce_costs_training, gpu.reduce_bps) == (900.0, False, math.inf)
     assert aux.samples_per_second == 0.0  # an auxiliary peer trains nothing, whatever its record says
+
+
+def test_the_groups_bench_confines_a_failure_to_its_group():
+    whole, grouped = (simulate_groups.simulate(64, size) for size in (None, 8))
+    assert whole["groups"] == 1 and whole["lost_share_expected"] == 1.0
+    assert grouped["groups"] == 8
+    assert 0 < grouped["lost_share_expected"] <= grouped["lost_share_worst"] < 0.25
+    assert grouped["round_seconds"] >= grouped["lower_bound_seconds"] * (1 - 1e-6)
+    assert sum(grouped["roles"].values()) == 64
+    assert "| 64 | 8 | 8 |" in simulate_groups.markdown([whole, grouped])

@@ -15,8 +15,8 @@ parts it receives, n_s - 1 for a sender, n_s for an auxiliary peer), which bound
 Groups: ``partition_groups`` deals the peers into ceil(n / m) groups so that each has peers that may aggregate and
 fast and slow links alike (the round lasts as long as the slowest group). The LP has the shares of every peer that
 may aggregate, one round time T_g per group and the step time tau; it minimises ``tau + EPSILON * mean(T_g)``, so
-that groups which do not set the step are still solved to their own optimum. Its size is O(n): 1,000 peers in
-groups of 8 plan in tens of milliseconds (bench/results/averaging_groups.json). Design: docs/averaging.md#groups.
+that groups which do not set the step are still solved to their own optimum. Its size is O(n); the planner's time
+for 1,000 peers is in bench/results/averaging_groups.md. Design: docs/averaging.md#groups and #step.
 """
 
 from __future__ import annotations
