@@ -281,3 +281,27 @@ class AveragingPlan(Base):
     # Median of the round times the peers reported while this plan was current; None until one is reported.
     measured_seconds: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
     reason: Mapped[str] = mapped_column(String(200), default="")
+
+
+class SpotCheck(Base):
+    """The checkpointer recomputed one claim's gradient on the peer's own data (app/coordinator/spot_checker.py)
+    and compared it with the sketch the peer published: the figures, the verdict, and the evidence in words. A failed
+    check holds every claim of that peer key in the run (app/credit/spot_checks.py)."""
+
+    __tablename__ = "spot_checks"
+    __table_args__ = (UniqueConstraint("run_id", "peer_key", "epoch"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    peer_key: Mapped[str] = mapped_column(String(64))
+    username: Mapped[str] = mapped_column(String(100))
+    epoch: Mapped[int] = mapped_column(Integer)
+    mini_steps: Mapped[int] = mapped_column(Integer)
+    passed: Mapped[bool] = mapped_column(Boolean)
+    # cosine similarity of the published and recomputed sketches; their norms' ratio (published / recomputed)
+    cosine: Mapped[float] = mapped_column(Float)
+    norm_ratio: Mapped[float] = mapped_column(Float)
+    claimed_loss: Mapped[float] = mapped_column(Float)
+    recomputed_loss: Mapped[float] = mapped_column(Float)
+    evidence: Mapped[str] = mapped_column(String(300))
+    checked_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)

@@ -11,7 +11,7 @@ from app.core.errors import Invalid, NotFound
 
 TABLES = {"runs", "coordinators", "snapshots", "contributions", "users", "api_credentials", "device_codes", "receipts", "peers",
           "peer_tokens", "run_bans", "run_allowlist", "averaging_plans", "run_organizers", "checkpoints",
-          "disputes"}
+          "disputes", "spot_checks"}
 
 
 def table_names(url: str) -> set[str]:

@@ -4,7 +4,8 @@ an archive the portal serves; the last one of a run that reached its target is m
 
 It is a peer of the swarm under the coordinator's own service token: hivemind's ``TrainingStateAverager`` with the
 run's optimizer, the same prefix as the workers' and state sharing off, so it never hands its (older) state to a
-joiner. The download runs in its own thread; the poll loop only says which epoch the swarm is at."""
+joiner. The download runs in its own thread; the poll loop only says which epoch the swarm is at. The spot checker
+(``spot_checker``) downloads through the same averager, under ``lock``."""
 
 from __future__ import annotations
 
@@ -54,6 +55,8 @@ class Checkpointer(threading.Thread):
             newest = store.latest(session, self._run(session))
             self.saved_epoch = newest.epoch if newest is not None else -1
         self.saved_at = time.monotonic()
+        self.held_epoch = -1  # the epoch of the state the averager holds from a download; -1 before the first
+        self.lock = threading.Lock()  # one download or archive at a time: saves and spot checks share the averager
         self.swarm_epoch = 0
         self.final_wanted = False
         self.final_saved = False
@@ -96,17 +99,27 @@ class Checkpointer(threading.Thread):
         self.join(timeout=DOWNLOAD_TIMEOUT + 10)
         self.averager.shutdown()
 
-    def save(self, final: bool = False) -> Optional[int]:
-        """Download the state, evaluate it, store it; the epoch saved, or None when no peer gave newer state."""
+    def download(self) -> int:
+        """Download the collaboration's newest state (hold ``lock``); the epoch of the state held, -1 when no
+        download has succeeded yet."""
         before = self.averager.local_epoch
         try:
             self.averager.load_state_from_peers(timeout=DOWNLOAD_TIMEOUT)
         except Exception as e:  # a worker that left mid-download: the next due time tries again
             logger.warning("could not download the collaboration's state: %s", e)
-            return None
-        epoch = self.averager.local_epoch
-        if epoch <= max(before, self.saved_epoch) and not (final and epoch >= 0 and epoch == self.saved_epoch):
-            logger.info("no peer holds state newer than epoch %d yet", max(before, self.saved_epoch))
+        if self.averager.local_epoch > before:
+            self.held_epoch = self.averager.local_epoch
+        return self.held_epoch
+
+    def save(self, final: bool = False) -> Optional[int]:
+        with self.lock:
+            return self._save(final)
+
+    def _save(self, final: bool) -> Optional[int]:
+        """Download the state, evaluate it, store it; the epoch saved, or None when no peer gave newer state."""
+        epoch = self.download()
+        if epoch <= self.saved_epoch and not (final and epoch >= 0 and epoch == self.saved_epoch):
+            logger.info("no peer holds state newer than epoch %d yet", self.saved_epoch)
             self.saved_at = time.monotonic()
             return None
         eval_loss = self.task.evaluate() if hasattr(self.task, "evaluate") else None

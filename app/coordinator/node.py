@@ -94,6 +94,7 @@ class CoordinatorNode:
         self.announce = announced_maddrs(settings.announce_maddrs, listen)
         self.plans = PlanKeeper(settings, min_interval_s=settings.plan_interval, config=self.config)
         self.checkpointer = None
+        self.spot_checker = None
         self.acked: dict[str, tuple[int, float]] = {}  # peer key -> (epoch acknowledged, when: time.monotonic())
 
     def serve(self, stop: threading.Event) -> None:
@@ -125,11 +126,14 @@ class CoordinatorNode:
             where = f"{self.listen}, announced to peers as {addrs[0]}" if self.announce else addrs[0]
             print(f"coordinator of run {self.run.slug!r} listening at {where}", flush=True)
             self.checkpointer = self._start_checkpointer(dht)
+            self.spot_checker = self._start_spot_checker()
             while not stop.is_set():
                 self.poll_once(dht)
                 stop.wait(self.settings.poll_interval)
         finally:
             self._mark_stopped()
+            if self.spot_checker is not None:
+                self.spot_checker.shutdown()
             if self.checkpointer is not None:
                 self.checkpointer.shutdown()
             if keeper is not None:
@@ -154,6 +158,23 @@ class CoordinatorNode:
             return None
         checkpointer.start()
         return checkpointer
+
+    def _start_spot_checker(self):
+        """The run's spot checker (docs/spot-checks.md), or None when there is no checkpointer to download state
+        through or the task draws no data it can redraw."""
+        from dedloc_worker.spot_checks import checkable
+
+        from app.coordinator.spot_checker import SpotChecker
+
+        if self.checkpointer is None:
+            return None
+        if not checkable(self.checkpointer.task):
+            print(f"no spot checks for run {self.run.slug!r}: its task ({self.config.task}) does not draw its data "
+                  "from a seed it is given", flush=True)
+            return None
+        checker = SpotChecker(self.checkpointer, self.sessions)
+        checker.start()
+        return checker
 
     def _saved(self, epoch: int, final: bool) -> None:
         if final:
@@ -218,6 +239,8 @@ class CoordinatorNode:
                 acks = tokens.signed_acks(session, self.settings, run, self._acks_due(session, run, metrics))
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
                 self._offer_checkpoint(run, fields["epoch"])
+                if self.spot_checker is not None and run.state == "active":
+                    self.spot_checker.offer(fields["epoch"], [p.peer_key for p in peers], metrics)
                 record_snapshot(session, self.run, **fields)
                 registry.heartbeat(session, self.coordinator_id, known_peers=known_peers)
                 plan = self.plans.update(session, run, links_online(session, run, metrics, online, max_age))

@@ -41,6 +41,7 @@ from app.credit.decision import (  # noqa: F401  (re-exported: the names settlem
     ALONE, NO_MEMBERS, NO_ROUND, NO_TOKEN, NOT_A_MEMBER, NOT_ACCUSED, OUTVOTED, REASON_LENGTH, UNRESOLVED, Decision,
     decide, same_account, unfinished, view_of)
 from app.credit.ledger import SignedMetrics
+from app.credit.spot_checks import failed_checks
 from app.core.clock import as_utc, utcnow
 from app.models import Contribution, Dispute, IssuedPeerToken, Peer, Receipt, Run, Snapshot
 
@@ -155,11 +156,14 @@ def settle(session: Session, run: Run, groups: set[str], ungrouped: Sequence[tup
         aggregator for found in seen_by.values() for aggregator, _ in found})
     member_users = users_of_peer_ids(session, run, {member for row in rows for member in (row.members or ())})
     windows = {epoch: epoch_window(session, run, epoch) for epoch in {row.epoch for row in rows}}
+    failed = failed_checks(session, run, {row.peer_key for row in rows})  # a peer that failed a spot check is held
     changes, disputes = [], {}
     for row in rows:
         window = observed_seconds(windows[row.epoch], row.recorded_at)
         if row.peer_key not in known:
             decision = Decision(0, row.samples, NO_TOKEN)
+        elif row.peer_key in failed:
+            decision = Decision(0, row.samples, failed[row.peer_key])
         else:
             decision = _decide_row(row, known, member_users, seen_by, run, window, disputes)
         now = (decision.credited, decision.held, decision.reason, window)

@@ -8,7 +8,7 @@ from typing import Annotated, Optional
 from fastapi import APIRouter, Depends, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from app.credit import review
+from app.credit import review, spot_checks
 
 from app.authority import tokens
 from app.runs import registry
@@ -52,6 +52,7 @@ def render(request: Request, run: Run, session, values: Optional[dict[str, str]]
         "bans": tokens.bans(session, run), "holders": tokens.token_holders(session, run),
         "held": review.held_credit(session, run), "disputed": review.disputed_claims(session, run),
         "disputers": review.disputers(session, run), "ceiling_error": ceiling_error,
+        "spot_checks": spot_checks.summary(session, run),
     }, status_code=status_code)
 
 

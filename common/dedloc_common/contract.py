@@ -105,6 +105,8 @@ class CheckpointOptions(BaseModel):
     keep: int = Field(3, ge=1, description="how many checkpoints stay downloadable (the final one always does)")
     hub_repo: Optional[str] = Field(None, description="push each checkpoint to this Hugging Face Hub model "
                                                       "repository (the coordinator's HF_TOKEN)")
+    spot_check_rate: float = Field(0.02, ge=0, le=1, description="the share of claims whose gradient the "
+                                   "checkpointer recomputes on the peer's own data (docs/spot-checks.md); 0: none")
 
 
 class RunConfig(BaseModel):
@@ -169,6 +171,9 @@ class EpochContribution(pydantic_v1.BaseModel):
     # The PeerIDs of every member of ``group`` as hivemind formed it (this peer included); [] when unknown (a
     # worker before this field). The coordinator counts a receipt for this claim only from a listed member.
     members: List[pydantic_v1.StrictStr] = []
+    # A sketch of the gradient this peer accumulated in the epoch, for spot checks (dedloc_worker.spot_checks), as
+    # encode_sketch writes it; "" when its task cannot be checked (or a worker before this field).
+    sketch: pydantic_v1.StrictStr = ""
 
 
 class LinkReport(pydantic_v1.BaseModel):
@@ -208,6 +213,34 @@ class MetricsRecord(pydantic_v1.BaseModel):
 # A worker's own account of its reachability: the coordinator's dial-back reached it (a full peer), or did not
 # (it trains in client mode by itself), or it was told --client.
 REACHABILITY = ("reachable", "unreachable", "client")
+
+
+def encode_sketch(values: List[float]) -> str:
+    """A gradient sketch in a claim: its L2 norm (float64), then its direction (float16 each), base64: about 190
+    characters for 64 numbers, so unacknowledged claims stay small in the record."""
+    import base64
+    import math
+    import struct
+
+    norm = math.sqrt(sum(v * v for v in values))
+    direction = [v / norm if norm > 0 else 0.0 for v in values]
+    return base64.b64encode(struct.pack(f"<d{len(values)}e", norm, *direction)).decode()
+
+
+def decode_sketch(text: str) -> List[float]:
+    """The sketch ``encode_sketch`` wrote (direction times norm); ``ValueError`` when it is not one."""
+    import base64
+    import binascii
+    import struct
+
+    try:
+        raw = base64.b64decode(text, validate=True)
+    except binascii.Error as e:
+        raise ValueError(f"not base64: {e}") from None
+    if len(raw) < 8 or (len(raw) - 8) % 2:
+        raise ValueError("not a sketch: wrong length")
+    norm, *direction = struct.unpack(f"<d{(len(raw) - 8) // 2}e", raw)
+    return [norm * v for v in direction]
 
 
 def mean_loss(contributions: List[EpochContribution]) -> Optional[float]:

@@ -101,13 +101,15 @@ class Deployment:
         return subprocess.run([sys.executable, "-m", "app.cli", *args], env={**os.environ, **self.env},
                               cwd=self.workdir, capture_output=True, text=True, timeout=120)
 
-    def create_run(self, target_batch_size: int = 2048, batch_size: int = 16, **optimizer) -> None:
+    def create_run(self, target_batch_size: int = 2048, batch_size: int = 16, checkpoints: dict | None = None,
+                   **optimizer) -> None:
         options = {"matchmaking_time": 1.0, "averaging_timeout": 10.0, "metadata_expiration": 10.0, **optimizer}
-        # No checkpoints: a state download every few epochs is cores these tests need for their rounds
-        # (tests/test_real_models.py checks checkpoints on its own run).
+        # No checkpoints and no spot checks: a state download every few epochs is cores these tests need for their
+        # rounds (tests/test_real_models.py checks checkpoints, tests/test_spot_checks.py spot checks, on their own).
+        checkpoints = {"every_epochs": 10**6, "spot_check_rate": 0.0, **(checkpoints or {})}
         done = self.cli("create-run", self.slug, "--target-batch-size", str(target_batch_size),
                         "--batch-size", str(batch_size), "--optimizer", json.dumps(options),
-                        "--checkpoints", json.dumps({"every_epochs": 10**6}))
+                        "--checkpoints", json.dumps(checkpoints))
         assert done.returncode == 0, done.stderr
 
     def start_portal(self) -> None:

@@ -11,9 +11,11 @@ from typing import Callable, List, Optional
 
 import torch
 
-from dedloc_common.contract import RECENT_EPOCHS_KEPT, EpochContribution, LinkReport, MetricsRecord, RunConfig, mean_loss
+from dedloc_common.contract import (RECENT_EPOCHS_KEPT, EpochContribution, LinkReport, MetricsRecord, RunConfig,
+                                    mean_loss, peer_key_of_subkey)
 from .errors import TrainingError, WorkerError
 from .records import publish_metrics
+from .spot_checks import GradientSum, checkable, epoch_seed
 from .swarm import create_optimizer, restore
 
 
@@ -30,6 +32,15 @@ class EpochTally:
     loss_sum: float = 0.0
     mini_steps: int = 0
     started: float = field(default_factory=time.monotonic)
+    gradients: Optional[GradientSum] = None  # for the sketch spot checks compare; None when the task is uncheckable
+
+
+def open_epoch(task, config: RunConfig, peer_key: str, epoch: int) -> EpochTally:
+    """A new tally; a checkable task draws the epoch's batches from (run seed, peer key, epoch) from here on."""
+    if not checkable(task):
+        return EpochTally(epoch)
+    task.reseed(epoch_seed(config.seed, peer_key, epoch))
+    return EpochTally(epoch, gradients=GradientSum(config.seed))
 
 
 @dataclass
@@ -101,7 +112,8 @@ def train(
     scaler = grad_scaler(task)
     contributions: deque = deque(maxlen=RECENT_EPOCHS_KEPT)
     every_contribution: List[EpochContribution] = []
-    tally = EpochTally(opt.local_epoch)
+    peer_key = peer_key_of_subkey(signature.local_public_key)
+    tally = open_epoch(task, config, peer_key, opt.local_epoch)
     run_over = False
     try:
         while not stop.is_set():
@@ -132,7 +144,7 @@ def train(
                 record = metrics_record(username, opt, contributions, addrs, hardware, link)
                 publish_metrics(dht, config.run_id, signature, record)
             if tally.epoch != opt.local_epoch:
-                tally = EpochTally(opt.local_epoch)  # a new epoch, or state reloaded: earlier samples were dropped
+                tally = open_epoch(task, config, peer_key, opt.local_epoch)  # or state reloaded: samples dropped
             on_status(status_of(opt, contributions[-1] if contributions else None))
         check_finite(task.model)
         state = {k: v.clone() for k, v in task.model.state_dict().items()}
@@ -186,6 +198,8 @@ def mini_step(task, config: RunConfig, opt, tally: EpochTally, scaler=None) -> N
         # Scaled gradients scale their norm alike: clipping at the scaled bound clips the true gradient at the bound.
         bound = config.optimizer.clip_grad_norm * (scaler.get_scale() if scaler is not None else 1.0)
         torch.nn.utils.clip_grad_norm_(task.model.parameters(), bound)
+    if tally.gradients is not None:
+        tally.gradients.add(task.model.parameters(), scaler.get_scale() if scaler is not None else 1.0)
     if scaler is not None:
         opt.step(grad_scaler=scaler)
     else:
@@ -202,6 +216,7 @@ def close_epoch(tally: EpochTally, finished, group: Optional[str], aggregated: d
         loss_sum=float(tally.loss_sum),
         mini_steps=tally.mini_steps,
         seconds=round(time.monotonic() - tally.started, 3),
+        sketch=tally.gradients.sketch() if tally.gradients is not None else "",
     )
 
 

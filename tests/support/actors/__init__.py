@@ -3,6 +3,8 @@
 - ``attacker.py``: a peer without a valid token trying every RPC on a victim (tests/test_attacks.py).
 - ``liar.py``: dedloc-worker patched to claim 100x its samples (tests/test_swarm.py).
 - ``witness.py``: dedloc-worker recording every gradient all-reduce it takes part in (tests/test_swarm.py).
+- ``flipper.py``: dedloc-worker sending sign-flipped gradients, sketched as sent (tests/test_spot_checks.py).
+- ``poisoner.py``: one peer of a four-peer averaging swarm, honest or poisoning (tests/test_robust_aggregation.py).
 - ``faulty_task.py``: a task plugin that raises after a few mini-steps, loaded by the worker as
   ``tests.support.actors.faulty_task:ExplodingTask`` (tests/test_hivemind.py).
 """
@@ -13,4 +15,6 @@ HERE = Path(__file__).resolve().parent
 ATTACKER = HERE / "attacker.py"
 LIAR = HERE / "liar.py"
 WITNESS = HERE / "witness.py"
+FLIPPER = HERE / "flipper.py"
+POISONER = HERE / "poisoner.py"
 FAULTY_TASK = "tests.support.actors.faulty_task:ExplodingTask"

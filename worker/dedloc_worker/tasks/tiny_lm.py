@@ -54,6 +54,10 @@ class TinyLanguageModel:
         self.generator = torch.Generator()
         self.generator.seed()  # each peer reads its own random windows
 
+    def reseed(self, seed: int) -> None:
+        """The next windows come from ``seed`` alone: a spot check redraws a peer's epoch (dedloc_worker.spot_checks)."""
+        self.generator.manual_seed(seed)
+
     def batch_loss(self, batch_size: int) -> torch.Tensor:
         starts = torch.randint(0, len(self.data) - self.context - 1, (batch_size,), generator=self.generator)
         windows = torch.stack([self.data[s : s + self.context + 1] for s in starts.tolist()])

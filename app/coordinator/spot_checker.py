@@ -1,0 +1,135 @@
+"""The spot checker: in the coordinator's process, it picks claims at random, recomputes their gradient on the
+peer's own data with the parameters of their epoch, and records the verdict (``app.credit.spot_checks``).
+
+When the swarm reaches a new epoch, each training peer is picked with the run's ``spot_check_rate`` (drawn here,
+after the peer computed, so a peer cannot know which of its epochs will be checked). If any is, the checker downloads
+the collaboration's state through the checkpointer's averager (the parameters every peer computes on in that epoch),
+waits for the picked peers' claims of that epoch, redraws their batches (``dedloc_worker.spot_checks``) and compares.
+One pick waits at a time: a check costs one peer's epoch of compute and a state download, at most ``rate`` of the
+swarm's compute (docs/spot-checks.md)."""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+import time
+from typing import Optional
+
+from dedloc_common.tasks import run_files
+from dedloc_worker.spot_checks import recompute
+from dedloc_worker.tasks import build_task
+
+from app.credit.ledger import SignedMetrics
+from app.runs import files
+
+logger = logging.getLogger("dedloc.spot_checker")
+CLAIM_WAIT = 600.0  # seconds a pick waits for the claim of its epoch (a peer that left never sends it)
+
+
+class SpotChecker(threading.Thread):
+    """``offer(epoch, training, metrics)`` after each poll; ``shutdown()`` once."""
+
+    def __init__(self, checkpointer, sessions, rng: Optional[random.Random] = None):
+        super().__init__(name="dedloc-spot-checker", daemon=True)
+        self.checkpointer, self.sessions = checkpointer, sessions
+        self.config = checkpointer.config
+        paths = {name: files.path_of(checkpointer.data_dir, self.config.slug, name)
+                 for name in run_files(self.config.task, self.config.task_options)}
+        self.task = build_task(self.config, paths)  # its own model: the checkpointer's stays as downloaded
+        self.rng = rng or random.SystemRandom()
+        self.planned = -1  # the newest swarm epoch picks were drawn for
+        self.pending: dict[str, int] = {}  # peer key -> the epoch whose claim is to be checked
+        self.params: list = []
+        self.deadline = 0.0
+        self._latest = None
+        self._lock = threading.Lock()
+        self._wake, self._halt = threading.Event(), threading.Event()
+
+    def offer(self, epoch: int, training: list[str], metrics: list[SignedMetrics]) -> None:
+        """What the last poll saw: the swarm's epoch, the training peers' keys, every metrics record."""
+        with self._lock:
+            self._latest = (epoch, list(training), {m.peer_key: m.record for m in metrics})
+        self._wake.set()
+
+    def run(self) -> None:
+        while not self._halt.is_set():
+            self._wake.wait(timeout=5.0)
+            self._wake.clear()
+            with self._lock:
+                latest = self._latest
+            if self._halt.is_set() or latest is None:
+                continue
+            try:
+                self.step(*latest)
+            except Exception as e:  # a failed download or recompute skips this pick; the next epoch draws again
+                logger.warning("spot check skipped: %s: %s", type(e).__name__, e)
+                self.pending = {}
+
+    def halt(self) -> None:
+        self._halt.set()
+        self._wake.set()
+
+    def shutdown(self) -> None:
+        self.halt()
+        self.join(timeout=30)
+
+    def step(self, epoch: int, training: list[str], records: dict) -> None:
+        if not self.pending:
+            self.pick(epoch, training)
+        for peer_key, at in list(self.pending.items()):
+            record = records.get(peer_key)
+            claim = next((c for c in record.recent if c.epoch == at), None) if record is not None else None
+            if claim is not None:
+                del self.pending[peer_key]
+                self.check(peer_key, claim)
+            elif time.monotonic() > self.deadline:
+                del self.pending[peer_key]  # it left, or its state was reloaded: that epoch has no claim
+
+    def pick(self, epoch: int, training: list[str]) -> None:
+        """Draw the peers to check at ``epoch``; for any, download the parameters they compute on."""
+        if epoch <= self.planned:
+            return
+        self.planned = epoch
+        rate = self.checkpointer.options.spot_check_rate
+        chosen = [peer_key for peer_key in training if self.rng.random() < rate]
+        if not chosen:
+            return
+        with self.checkpointer.lock:
+            if self.checkpointer.download() < 0:
+                return
+            at = self.checkpointer.averager.local_epoch
+            self.params = [p.detach().clone() for p in self.checkpointer.task.model.parameters()]
+        self.planned = max(self.planned, at)
+        self.pending = {peer_key: at for peer_key in chosen}
+        self.deadline = time.monotonic() + CLAIM_WAIT
+
+    def check(self, peer_key: str, claim) -> None:
+        """Recompute ``claim`` with the parameters held and record the verdict."""
+        import torch
+
+        from app.credit.settlement import owners
+        from app.credit.spot_checks import judge, record_check
+        from app.runs import registry
+
+        if not claim.sketch or not claim.mini_steps or claim.samples != claim.mini_steps * self.config.batch_size:
+            logger.info("spot check of %s at epoch %d: not checkable (no sketch, or samples that are not whole "
+                        "mini-batches)", peer_key[:8], claim.epoch)
+            return
+        with torch.no_grad():
+            for param, value in zip(self.task.model.parameters(), self.params):
+                param.copy_(value)
+        sketch, loss = recompute(self.task, self.config, peer_key, claim.epoch, claim.mini_steps)
+        claimed_loss = claim.loss_sum / claim.mini_steps
+        verdict = judge(claim.sketch, sketch, claimed_loss, loss)
+        with self.sessions() as session:
+            run = registry.get_run(session, self.config.slug)
+            username = owners(session, run, [peer_key]).get(peer_key, ("(unknown)",))[0]
+            record_check(session, run, peer_key=peer_key, username=username, epoch=claim.epoch,
+                         mini_steps=claim.mini_steps, verdict=verdict, claimed_loss=claimed_loss,
+                         recomputed_loss=loss)
+        if verdict.passed:
+            logger.info("spot check of %s's peer at epoch %d passed: %s", username, claim.epoch, verdict.evidence)
+        else:
+            print(f"spot check of {username}'s peer at epoch {claim.epoch} failed, its credit is held: "
+                  f"{verdict.evidence}", flush=True)

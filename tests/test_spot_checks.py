@@ -1,0 +1,178 @@
+"""Spot checks: the comparison of a published gradient sketch with the recomputed one, the trainer's sketch against
+the checker's recomputation of the same epoch, a failure holding the peer's credit on a real database, and a real
+swarm where a worker sending sign-flipped gradients is held by the coordinator's checks while an honest one passes."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from fastapi.testclient import TestClient
+from sqlalchemy import select
+
+from dedloc_common.contract import RunConfig, decode_sketch, encode_sketch
+from dedloc_worker import trainer
+from dedloc_worker.spot_checks import SKETCH_DIMS, recompute
+from dedloc_worker.tasks.tiny_lm import TinyLanguageModel
+
+from app.core.config import Settings
+from app.core.database import make_engine, make_sessionmaker
+from app.credit.settlement import credit_epochs
+from app.credit.spot_checks import MIN_COSINE, Verdict, judge, record_check, summary
+from app.models import Contribution, SpotCheck
+from app.web.main import create_app
+from tests.support.actors import FLIPPER
+from tests.support.credit import Peer, aged_run, claim, totals
+from tests.support.harness import wait_for
+from tests.support.portal import form_token
+
+TINY = {"context": 16, "width": 16, "layers": 1, "heads": 2}
+
+
+def sketch(values) -> str:
+    return encode_sketch([float(v) for v in values])
+
+
+def test_the_verdict_passes_an_honest_sketch_and_names_the_evidence_against_a_wrong_one():
+    rng = random.Random(7)
+    truth = [rng.gauss(0, 1) for _ in range(SKETCH_DIMS)]
+    drifted = [v + rng.gauss(0, 0.2) for v in truth]  # a step of drift: the same direction, roughly
+    honest = judge(sketch(drifted), sketch(truth), 4.02, 4.0)
+    assert honest.passed and honest.cosine > 0.95 and 0.9 < honest.norm_ratio < 1.1
+
+    flipped = judge(sketch(-v for v in truth), sketch(truth), 4.0, 4.0)
+    assert not flipped.passed and math.isclose(flipped.cosine, -1.0, abs_tol=1e-3)
+    assert "cosine -1.00 (at least 0.5 passes)" in flipped.evidence
+    unrelated = judge(sketch(rng.gauss(0, 1) for _ in truth), sketch(truth), 4.0, 4.0)
+    assert not unrelated.passed and unrelated.cosine < MIN_COSINE
+    scaled = judge(sketch(1000 * v for v in truth), sketch(truth), 4.0, 4.0)
+    assert not scaled.passed and scaled.cosine > 0.99 and "norm 1e+03x" in scaled.evidence
+    wrong_loss = judge(sketch(truth), sketch(truth), 1.0, 4.0)
+    assert not wrong_loss.passed and "mean loss claimed 1.000, recomputed 4.000" in wrong_loss.evidence
+    for garbage in ("not base64!", encode_sketch([1.0] * 3), encode_sketch([math.nan] * SKETCH_DIMS)):
+        verdict = judge(garbage, sketch(truth), 4.0, 4.0)
+        assert not verdict.passed and "sketch" in verdict.evidence
+    assert decode_sketch(sketch(truth)) == pytest.approx(truth, rel=1e-3, abs=1e-3)
+
+
+class LocalSteps:
+    """Stands in for hivemind's optimizer where one peer trains alone: mini_step only steps and zeroes."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def step(self, **_):
+        pass
+
+    def zero_grad(self):
+        self.model.zero_grad(set_to_none=True)
+
+
+@pytest.mark.parametrize("clip", [None, 0.5])
+def test_the_checker_recomputes_the_sketch_the_trainer_published(clip):
+    """A worker's epoch through trainer.mini_step (its data drawn from its key and the epoch) and the checker's
+    recomputation on another copy of the model agree; another peer's key, or another epoch, does not."""
+    config = RunConfig(slug="s", run_id="s", task="tiny-lm", task_options=TINY, target_batch_size=64,
+                       batch_size=8, seed=3, optimizer={"clip_grad_norm": clip})
+    worker, checker = TinyLanguageModel(TINY, 3), TinyLanguageModel(TINY, 3)
+    tally = trainer.open_epoch(worker, config, "a" * 64, 5)
+    steps = LocalSteps(worker.model)
+    for _ in range(4):
+        trainer.mini_step(worker, config, steps, tally)
+    published = tally.gradients.sketch()
+    claimed_loss = tally.loss_sum / tally.mini_steps
+
+    again, loss = recompute(checker, config, "a" * 64, 5, 4)
+    verdict = judge(published, again, claimed_loss, loss)
+    assert verdict.passed and verdict.cosine > 0.999 and math.isclose(loss, claimed_loss, rel_tol=1e-5)
+    for key, epoch in (("b" * 64, 5), ("a" * 64, 6)):
+        other, other_loss = recompute(checker, config, key, epoch, 4)
+        assert judge(published, other, claimed_loss, other_loss).cosine < 0.999  # other batches, other gradient
+
+
+def test_a_failed_check_holds_every_claim_of_that_peer_with_the_evidence(sessions, tmp_path):
+    """mallory's key fails a check at epoch 2: her confirmed claims of epochs 1-3 are held with the evidence, and a
+    later claim is held on arrival; carol, checked and passed, keeps her credit; a check is recorded once."""
+    with sessions() as session:
+        run = aged_run(session, "checked")
+        mallory, carol = Peer(session, run, "mallory", tmp_path, 0), Peer(session, run, "carol", tmp_path, 1)
+        members = sorted([mallory.peer_id, carol.peer_id])
+
+        def round_(epoch):
+            return [mallory.record(claim(epoch, 100, f"r{epoch}", {f"r{epoch}": {carol.peer_id: 80.0}}, members)),
+                    carol.record(claim(epoch, 80, f"r{epoch}", {f"r{epoch}": {mallory.peer_id: 100.0}}, members))]
+
+        credit_epochs(session, run, round_(1) + round_(2) + round_(3))
+        assert totals(session, run) == {"mallory": (300, 0), "carol": (240, 0)}
+        passed = Verdict(True, 0.99, 1.0, "fine")
+        failed = judge(sketch([-1.0] * SKETCH_DIMS), sketch([1.0] * SKETCH_DIMS), 4.0, 4.0)
+        assert record_check(session, run, peer_key=carol.key, username="carol", epoch=2, mini_steps=5,
+                            verdict=passed, claimed_loss=4.0, recomputed_loss=4.0)
+        assert record_check(session, run, peer_key=mallory.key, username="mallory", epoch=2, mini_steps=5,
+                            verdict=failed, claimed_loss=4.0, recomputed_loss=4.0)
+        assert not record_check(session, run, peer_key=mallory.key, username="mallory", epoch=2, mini_steps=5,
+                                verdict=passed, claimed_loss=4.0, recomputed_loss=4.0)  # once per claim
+        credit_epochs(session, run, round_(4))
+        assert totals(session, run) == {"mallory": (0, 400), "carol": (320, 0)}
+        reasons = {r for (r,) in session.execute(select(Contribution.reason).where(Contribution.held > 0))}
+        assert reasons == {"held: this peer failed a spot check at epoch 2: the gradient sketch it published against "
+                           "the one recomputed on its own data: cosine -1.00 (at least 0.5 passes), norm 1x; mean "
+                           "loss claimed 4.000, recomputed 4.000"}
+        found = summary(session, run)
+        assert (found.checked, found.passed, [f.username for f in found.failures]) == (2, 1, ["mallory"])
+
+
+def organize_page(database_url: str, slug: str) -> str:
+    app = create_app(Settings(database_url=database_url, organizers=["olivia"]))
+    with TestClient(app) as olivia:
+        page = olivia.get("/signin")
+        olivia.post("/signin/dev", data={"username": "olivia", "csrf": form_token(page.text)})
+        return olivia.get(f"/runs/{slug}/organize").text
+
+
+def spot_checks_of(deployment) -> dict[str, list[SpotCheck]]:
+    engine = make_engine(deployment.database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            found: dict[str, list[SpotCheck]] = {}
+            for row in session.scalars(select(SpotCheck).order_by(SpotCheck.epoch)):
+                session.expunge(row)
+                found.setdefault(row.username, []).append(row)
+            return found
+    finally:
+        engine.dispose()
+
+
+@pytest.mark.swarm
+def test_a_worker_sending_flipped_gradients_is_held_by_a_spot_check_and_an_honest_one_passes(deployment):
+    """One swarm, every claim drawn for a check: mallory's worker sends sign-flipped gradients (sketched as sent);
+    the coordinator recomputes her gradient on her own data, holds her credit with the evidence and shows it to
+    organizers. alice, honest, in the same rounds, passes every check (the control: the same checks ran on her)."""
+    deployment.create_run(target_batch_size=1024, checkpoints={"spot_check_rate": 1.0})
+    deployment.start_portal()
+    deployment.start_coordinator()
+    deployment.wait_for_coordinator()
+    deployment.start_worker("alice")
+    wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")
+    deployment.start_worker("mallory", script=[str(FLIPPER)])
+
+    def both_checked():  # alice checked twice, once at least while mallory was in the swarm
+        checks = spot_checks_of(deployment)
+        if not checks.get("mallory") or len(checks.get("alice", [])) < 2:
+            return None
+        return checks if checks["alice"][-1].epoch >= checks["mallory"][0].epoch else None
+
+    checks = wait_for(both_checked, 90, "spot checks of both workers", interval=1.0)
+    assert [c.passed for c in checks["alice"]] == [True] * len(checks["alice"]), [c.evidence for c in checks["alice"]]
+    assert min(c.cosine for c in checks["alice"]) > 0.9
+    assert [c.passed for c in checks["mallory"]] == [False] * len(checks["mallory"])
+    assert max(c.cosine for c in checks["mallory"]) < -0.9
+
+    credit = deployment.credit_by_user()
+    assert credit["mallory"][0] == 0 and credit["mallory"][1] > 0
+    held = deployment.held_reasons()
+    assert all(r.startswith("held: this peer failed a spot check at epoch") for r in held["mallory"])
+    assert not any("spot check" in r for r in held.get("alice", []))
+    page = organize_page(deployment.database_url, deployment.slug)
+    assert "failed a spot check" in page and "cosine -1.00" in page
