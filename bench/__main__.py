@@ -8,6 +8,7 @@
    elsewhere): ``averaging_emu.json``.
 3. Both side by side: ``averaging.json`` (a list of rows with ``mode`` "sim" or "emu") and ``averaging.md``.
 4. Training throughput, a swarm against solo processes (``bench.training``): ``training.json`` and ``training.md``.
+5. Load on a deployment: PostgreSQL, two web processes, thousands of viewers (``bench.load``): ``load.json``, ``load.md``.
 
 How each bench measures, and what the figures mean: docs/benchmarks.md.
 """
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import emulate_averaging, simulate_averaging, simulate_groups, training
+from bench import emulate_averaging, load, simulate_averaging, simulate_groups, training
 from bench.emulate_averaging import ROUNDS
 
 RESULTS = Path("bench/results")
@@ -43,7 +44,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     (RESULTS / "averaging.json").write_text(json.dumps(rows, indent=2) + "\n")
     (RESULTS / "averaging.md").write_text(markdown_table(rows))
     print(f"wrote {RESULTS / 'averaging.json'} and {RESULTS / 'averaging.md'}")
-    return training.main(["--out", str(RESULTS / "training.json")])
+    code = training.main(["--out", str(RESULTS / "training.json")])
+    return code or load.main(["--out", str(RESULTS / "load.json")])
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
