@@ -5,12 +5,9 @@ loopback deployment, portals and an OpenID Connect provider on loopback (sign-in
 from __future__ import annotations
 
 import contextlib
-import glob
 import os
 import re
 import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +22,7 @@ from tests.support.browsers import launch_chromium
 from tests.support.harness import ROOT, Deployment, free_port
 from tests.support.oidc_provider import LoopbackServer, OidcProvider
 from tests.support.portal import CLIENT_ID, CLIENT_SECRET, QUICK, SECRET_KEY, Portal
+from tests.support.postgres import postgres_bin, throwaway_postgres
 
 
 @pytest.fixture(scope="session")
@@ -45,30 +43,14 @@ def deployment(tmp_path, output_dir, request):
     deployed.close()
 
 
-def postgres_bin() -> Path | None:
-    found = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
-    return Path(found[-1]).parent if found else None
-
-
 @pytest.fixture(scope="session")
 def postgres_url():
     """A throwaway PostgreSQL cluster for this test run (skipped where the server binaries are missing)."""
     bin_dir = postgres_bin()
     if bin_dir is None:
         pytest.skip("PostgreSQL server binaries are not installed (apt-get install postgresql)")
-    root = Path(tempfile.mkdtemp(prefix="dedloc-pg-"))
-    data, port = root / "data", free_port()
-    as_postgres = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-    shutil.chown(root, "postgres") if os.geteuid() == 0 else None
-    run = lambda *args: subprocess.run([*as_postgres, *args], check=True, capture_output=True, timeout=120)
-    run(str(bin_dir / "initdb"), "-D", str(data), "-U", "postgres", "--auth=trust")
-    run(str(bin_dir / "pg_ctl"), "-D", str(data), "-l", str(root / "log"), "-w", "-o",
-        f"-p {port} -k {root} -c listen_addresses=127.0.0.1", "start")
-    try:
-        yield f"postgresql+psycopg://postgres@127.0.0.1:{port}/postgres"
-    finally:
-        run(str(bin_dir / "pg_ctl"), "-D", str(data), "-m", "immediate", "stop")
-        shutil.rmtree(root, ignore_errors=True)
+    with throwaway_postgres(bin_dir) as url:
+        yield url
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
