@@ -18,6 +18,7 @@ from app.runs import registry
 from app.runs.snapshots import record_snapshot
 from app.web.main import create_app
 from tests.support.factories import contribution, seed_credit
+from tests.support.portal import credential_by_signing_in
 
 CONFIG = Path(__file__).parent / "support" / "schemathesis.toml"
 # Every check schemathesis 4 has but object_level_authorization ("one identity cannot read an object another
@@ -48,8 +49,9 @@ def test_schemathesis_finds_no_failure_against_a_live_portal(deployment, output_
     deployment.create_run()
     done = deployment.cli("export-stats")  # the dumps exist: /stats/{name} answers 200 as well as 404
     assert done.returncode == 0, done.stderr
-    fuzzing, revoking = deployment.credential("alice"), deployment.credential("bob")
     deployment.start_portal()
+    # Credentials as volunteers get them: signed in on the portal, then a device login approved there.
+    fuzzing, revoking = (credential_by_signing_in(deployment.url, name) for name in ("alice", "bob"))
     report = output_dir / "schemathesis"
     report.mkdir(exist_ok=True)
     # Revoking a credential ends the others' authenticated cases, so that operation runs alone, with its own.

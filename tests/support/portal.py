@@ -1,5 +1,6 @@
 """A portal served on loopback for the sign-in tests (the fixtures that start one are in tests/conftest.py), the
-worker's device login run in a thread, and the client the loopback OpenID Connect provider knows."""
+worker's device login run in a thread, a whole sign-in and device login over HTTP, and the client the loopback
+OpenID Connect provider knows."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import re
 import threading
 from typing import Optional
 
+import httpx
 from dedloc_worker.login import Credential, device_login
 from fastapi import FastAPI
 from sqlalchemy import select
@@ -33,6 +35,24 @@ class Portal:
 
 def form_token(html: str) -> str:
     return re.search(r'name="csrf" value="([^"]+)"', html).group(1)
+
+
+def credential_by_signing_in(url: str, username: str) -> str:
+    """Sign in as ``username`` (the development sign-in), start a device login, approve it and take the API
+    credential: what a volunteer does with a browser and ``dedloc-worker login``, over plain HTTP."""
+    grant = "urn:ietf:params:oauth:grant-type:device_code"
+    with httpx.Client(base_url=url, headers={"accept": "text/html"}, timeout=15) as browser:
+        signin = browser.get("/signin")
+        browser.post("/signin/dev", data={"username": username, "next": "/", "csrf": form_token(signin.text)})
+        started = httpx.post(f"{url}/api/v1/device/code", data={"client_name": f"{username}'s test machine"}).json()
+        page = browser.get("/device", params={"user_code": started["user_code"]})
+        decided = browser.post("/device", data={"user_code": started["user_code"], "decision": "approve",
+                                                "csrf": form_token(page.text)})
+        assert decided.status_code == 200, decided.text
+    answer = httpx.post(f"{url}/api/v1/device/token", data={"grant_type": grant,
+                                                            "device_code": started["device_code"]})
+    assert answer.status_code == 200, answer.text
+    return answer.json()["access_token"]
 
 
 class LoginThread(threading.Thread):
