@@ -91,6 +91,37 @@ def test_the_checker_recomputes_the_sketch_the_trainer_published(clip):
         assert judge(published, other, claimed_loss, other_loss).cosine < 0.999  # other batches, other gradient
 
 
+def test_the_demos_masked_lm_redraws_its_data_and_masks_and_keeps_its_evaluation(tmp_path):
+    """The demo's task (an ALBERT masked LM on the run's files): an epoch's batches and masks come from the seed, so
+    the checker's recomputation matches the worker's sketch; the evaluation loss stays what it was."""
+    from app.cli.demo import DEMO_TASK, write_corpus
+    from app.runs import files as run_files
+    from dedloc_common.tasks import validate_task
+    from dedloc_worker.tasks.hf import MaskedLM
+
+    train, held_out = write_corpus(tmp_path / "corpus")
+    for path in (train, held_out):  # a few hundred paragraphs are data enough, and quick to tokenize
+        path.write_text("\n".join(path.read_text().splitlines()[:300]) + "\n")
+    model = {**DEMO_TASK["model"], "hidden_size": 32, "embedding_size": 16, "intermediate_size": 64,
+             "num_hidden_layers": 1, "num_attention_heads": 2}
+    options = validate_task("masked-lm", {**DEMO_TASK, "model": model, "tokenizer": {"train": {"vocab_size": 500}},
+                                          "eval_samples": 16})
+    stored = run_files.add_run_files(tmp_path / "data", "demo", "masked-lm", options,
+                                     {"train.txt": train, "eval.txt": held_out})
+    paths = {f.name: run_files.path_of(tmp_path / "data", "demo", f.name) for f in stored}
+    config = RunConfig(slug="demo", run_id="demo", task="masked-lm", task_options=options, target_batch_size=64,
+                       batch_size=4, seed=1, optimizer={"clip_grad_norm": 1.0})
+    worker, checker = MaskedLM(options, 1, files=paths, data_seed=11), MaskedLM(options, 1, files=paths, data_seed=22)
+    evaluation = worker.evaluate()
+    tally = trainer.open_epoch(worker, config, "c" * 64, 2)
+    for _ in range(3):
+        trainer.mini_step(worker, config, LocalSteps(worker.model), tally)
+    again, loss = recompute(checker, config, "c" * 64, 2, 3)
+    verdict = judge(tally.gradients.sketch(), again, tally.loss_sum / 3, loss)
+    assert verdict.passed and verdict.cosine > 0.999, verdict
+    assert worker.evaluate() == pytest.approx(evaluation, abs=1e-6)
+
+
 def test_a_failed_check_holds_every_claim_of_that_peer_with_the_evidence(sessions, tmp_path):
     """mallory's key fails a check at epoch 2: her confirmed claims of epochs 1-3 are held with the evidence, and a
     later claim is held on arrival; carol, checked and passed, keeps her credit; a check is recorded once."""

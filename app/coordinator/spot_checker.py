@@ -119,7 +119,10 @@ class SpotChecker(threading.Thread):
         with torch.no_grad():
             for param, value in zip(self.task.model.parameters(), self.params):
                 param.copy_(value)
-        sketch, loss = recompute(self.task, self.config, peer_key, claim.epoch, claim.mini_steps)
+        started = time.monotonic()
+        with self.checkpointer.lock:  # a task may reseed the global RNG, which the checkpointer's evaluation uses
+            sketch, loss = recompute(self.task, self.config, peer_key, claim.epoch, claim.mini_steps)
+        seconds = time.monotonic() - started
         claimed_loss = claim.loss_sum / claim.mini_steps
         verdict = judge(claim.sketch, sketch, claimed_loss, loss)
         with self.sessions() as session:
@@ -128,8 +131,9 @@ class SpotChecker(threading.Thread):
             record_check(session, run, peer_key=peer_key, username=username, epoch=claim.epoch,
                          mini_steps=claim.mini_steps, verdict=verdict, claimed_loss=claimed_loss,
                          recomputed_loss=loss)
-        if verdict.passed:
-            logger.info("spot check of %s's peer at epoch %d passed: %s", username, claim.epoch, verdict.evidence)
+        if verdict.passed:  # rare (the run's rate): one line each, with what it cost
+            print(f"spot check of {username}'s peer at epoch {claim.epoch} passed (cosine {verdict.cosine:+.2f}, "
+                  f"{claim.mini_steps} mini-steps recomputed in {seconds:.1f} s)", flush=True)
         else:
             print(f"spot check of {username}'s peer at epoch {claim.epoch} failed, its credit is held: "
                   f"{verdict.evidence}", flush=True)

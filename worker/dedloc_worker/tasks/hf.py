@@ -2,8 +2,10 @@
 and image classification. Options: ``dedloc_common.tasks``; what each means: docs/tasks.md.
 
 Every peer builds the same initial model (the run's seed, or the same pretrained weights) and reads its own order
-of the data (``data_seed``, derived from its key). The evaluation loss is deterministic: the same held-out samples
-and, for masked LM, the same masks, so a checkpoint's recorded loss can be recomputed by anyone who downloads it.
+of the data (``data_seed``, derived from its key); where the data are the run's files, ``reseed`` redraws an
+epoch's batches from a seed alone, for spot checks (dedloc_worker.spot_checks). The evaluation loss is
+deterministic: the same held-out samples and, for masked LM, the same masks, so a checkpoint's recorded loss can be
+recomputed by anyone who downloads it.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ class HFTask:
             raise ConfigError(f"this run's task cannot be loaded: {e}") from None
         self.files = files or {}
         self.seed, self.data_seed = seed, data_seed
+        self._tables: dict = {}
         self.device = torch.device("cpu")
         self.autocast: Optional[torch.dtype] = None
         self.model = self.build_model(seed)
@@ -44,6 +47,20 @@ class HFTask:
         self.autocast = getattr(torch, amp) if amp else None
         self.model.to(self.device)
         return self
+
+    @property
+    def reseedable(self) -> bool:
+        """Whether ``reseed`` can redraw batches: data from the run's files, not a Hub stream (refilling its shuffle
+        buffer every epoch would cost more than the epoch)."""
+        return not self.options["data"].get("dataset")
+
+    def reseed(self, seed: int) -> None:
+        """The next batches come from ``seed`` alone: the data's order, and dropout (the global RNG)."""
+        self.train_stream = self.train_records(seed)
+        torch.manual_seed(seed)
+
+    def train_records(self, seed: Optional[int] = None):
+        return self.records(train=True, seed=seed)
 
     def forward_loss(self, batch: dict) -> torch.Tensor:
         batch = {k: v.to(self.device) for k, v in batch.items()}
@@ -84,28 +101,31 @@ class HFTask:
 
     # --- data ----------------------------------------------------------------------------------------------------
 
-    def records(self, train: bool) -> Optional[Iterator[dict]]:
-        """Rows of the training (endless, this peer's order) or held-out data (once, fixed order); None when the
-        run has no held-out data."""
+    def records(self, train: bool, seed: Optional[int] = None) -> Optional[Iterator[dict]]:
+        """Rows of the training (endless, this peer's order, or ``seed``'s) or held-out data (once, fixed order);
+        None when the run has no held-out data."""
         import datasets
 
         data = self.options["data"]
+        seed = self.data_seed if seed is None else seed % 2**32
         if data.get("dataset"):
             split = data["split"] if train else data.get("eval_split")
             if split is None:
                 return None
             rows = datasets.load_dataset(data["dataset"], data.get("dataset_config"), split=split, streaming=True)
             if train:
-                return _endless(lambda epoch: rows.shuffle(seed=self.data_seed + epoch, buffer_size=10_000))
+                return _endless(lambda epoch: rows.shuffle(seed=seed + epoch, buffer_size=10_000))
             return iter(rows)
         names = data["files"] if train else data.get("eval_files", [])
         if not names:
             return None
         paths = [str(self._file(name)) for name in names]
-        table = datasets.load_dataset(_builder(names[0]), data_files=paths, split="train",
-                                      cache_dir=str(Path(paths[0]).parent / "datasets"))
+        if train not in self._tables:  # loaded once: reseed asks again every epoch
+            self._tables[train] = datasets.load_dataset(_builder(names[0]), data_files=paths, split="train",
+                                                        cache_dir=str(Path(paths[0]).parent / "datasets"))
+        table = self._tables[train]
         if train:
-            return _endless(lambda epoch: iter(table.shuffle(seed=self.data_seed + epoch)))
+            return _endless(lambda epoch: iter(table.shuffle(seed=seed + epoch, keep_in_memory=True)))
         return iter(table)
 
     def _file(self, name: str) -> Path:
@@ -132,7 +152,7 @@ class TextTask(HFTask):
 
     def batch_loss(self, batch_size: int) -> torch.Tensor:
         if self.train_stream is None:
-            self.train_stream = self.packed(self.records(train=True))
+            self.train_stream = self.train_records()
         return super().batch_loss(batch_size)
 
     def load_tokenizer(self):
@@ -144,6 +164,9 @@ class TextTask(HFTask):
         path = self._file(spec.TRAINED_TOKENIZER_FILE)
         return PreTrainedTokenizerFast(tokenizer_file=str(path), model_max_length=self.options["sequence_length"],
                                        **spec.SPECIAL_TOKENS)
+
+    def train_records(self, seed: Optional[int] = None):
+        return self.packed(self.records(train=True, seed=seed))
 
     def eval_stream(self):
         rows = self.records(train=False)
@@ -177,13 +200,23 @@ class MaskedLM(TextTask):
     def auto_class(transformers):
         return transformers.AutoModelForMaskedLM
 
-    def collate(self, samples: List[List[int]], train: bool) -> dict:
+    def reseed(self, seed: int) -> None:
+        """As ``HFTask.reseed``, and the masks too."""
+        super().reseed(seed)
+        self._collator = self.collator(seed % 2**32)
+
+    def collator(self, seed: Optional[int] = None):
+        """Masks from ``seed``'s generator, or from the global RNG without one."""
         from transformers import DataCollatorForLanguageModeling
 
-        if not hasattr(self, "_collator"):
-            self._collator = DataCollatorForLanguageModeling(self.tokenizer, mlm_probability=self.options["mlm_probability"],
-                                                             return_tensors="pt")
-        return dict(self._collator([{"input_ids": s} for s in samples]))
+        return DataCollatorForLanguageModeling(self.tokenizer, mlm_probability=self.options["mlm_probability"],
+                                               return_tensors="pt", seed=seed)
+
+    def collate(self, samples: List[List[int]], train: bool) -> dict:
+        name = "_collator" if train else "_eval_collator"  # evaluation masks: the global RNG, as evaluate seeds it
+        if not hasattr(self, name):
+            setattr(self, name, self.collator())
+        return dict(getattr(self, name)([{"input_ids": s} for s in samples]))
 
 
 class CausalLM(TextTask):
@@ -216,7 +249,7 @@ class ImageClassification(HFTask):
 
     def batch_loss(self, batch_size: int) -> torch.Tensor:
         if self.train_stream is None:
-            self.train_stream = self.records(train=True)
+            self.train_stream = self.train_records()
         return super().batch_loss(batch_size)
 
     def eval_stream(self):
