@@ -8,8 +8,8 @@ coordinate of the gradient goes, with a random sign, into one of ``SKETCH_DIMS``
 seed, so inner products and cosine similarity survive in expectation. A peer pays one extra copy of its gradient and
 one pass over it per epoch; its record carries 64 numbers more (``contract.encode_sketch``).
 
-Only tasks with ``reseed(seed)`` (the next batches come from ``seed`` alone) can be checked; others publish no
-sketch. docs/spot-checks.md says what a sketch cannot catch.
+Only tasks with ``reseed(seed)`` (the next batches come from ``seed`` alone) can be checked: tiny-lm, and the Hugging
+Face tasks on the run's files; others publish no sketch. docs/spot-checks.md says what a sketch cannot catch.
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def epoch_seed(run_seed: int, peer_key: str, epoch: int) -> int:
 
 
 def checkable(task) -> bool:
-    """Whether the task draws its batches from a seed it is given (``reseed``)."""
-    return callable(getattr(task, "reseed", None))
+    """Whether the task draws its batches from a seed it is given (``reseed``, unless it says ``reseedable`` no)."""
+    return callable(getattr(task, "reseed", None)) and bool(getattr(task, "reseedable", True))
 
 
 class GradientSum:
