@@ -52,7 +52,9 @@ def _insert_ignore(session: Session, model, rows: list[dict], keys: list[str]) -
     dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
     statement = dialect.insert(model).on_conflict_do_nothing(index_elements=keys).returning(model.id)
     # executemany: SQLAlchemy batches the rows ("insertmanyvalues") within the drivers' parameter limits
-    return len(session.execute(statement, rows).all())
+    # on the connection, not the ORM session: the ORM's bulk path costs ~60 µs a row in Python (1,000 peers' epoch:
+    # 16,000 receipts); Core runs the same batched statement
+    return len(session.connection().execute(statement, rows).all())
 
 
 def owners(session: Session, run: Run, peer_keys: Iterable[str]) -> dict[str, tuple[str, str]]:
