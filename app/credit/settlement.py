@@ -19,7 +19,8 @@ for nothing and, where it says less than the claim, is recorded as a dispute aga
 
 Then the ceiling: a claim is credited up to the run's samples-per-second ceiling times the epoch's length as the
 coordinator's clock saw it (``observed_seconds``: from its last snapshot before the epoch began to its first after
-the epoch ended), whatever the claim says its own seconds were. The rest is held, with the reason in words.
+the epoch ended), whatever the claim says its own seconds were. The rest is held, with the reason in words. A peer
+key that failed a spot check (``app.credit.spot_checks``) has every claim held, with the check's evidence.
 
 Claims and receipts meet on the round, not on epoch numbers: peers one epoch apart can share a round. Every
 decision is a function of what the database holds (claims, receipts, snapshots), so repeated polls, late receipts,
