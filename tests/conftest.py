@@ -126,8 +126,18 @@ def start_portal(tmp_path, migrated_database):
 
 # a real browser -------------------------------------------------------------------------------------------------
 
-@pytest.fixture
+@pytest.fixture(scope="module")
 def chromium_browser():
-    """Debian's Chromium driven by Playwright, for one test (skip the module with ``needs_chromium``)."""
+    """Debian's Chromium driven by Playwright, shared by a module's tests (skip the module with
+    ``needs_chromium``); each test opens its own context or page."""
     with launch_chromium() as browser:
         yield browser
+
+
+@pytest.fixture
+def page(chromium_browser):
+    """A tab in a fresh browser context (no cookies from another test), closed after the test."""
+    context = chromium_browser.new_context(viewport={"width": 1100, "height": 900})
+    context.set_default_timeout(20_000)
+    yield context.new_page()
+    context.close()

@@ -4,27 +4,12 @@ loopback OpenID Connect provider, and approves a device code while the worker's 
 from __future__ import annotations
 
 import re
-import pytest
 
-from tests.support.browsers import launch_chromium, needs_chromium
+from tests.support.browsers import needs_chromium
 from tests.support.portal import CLIENT_ID, CLIENT_SECRET, LoginThread
 
 # The provider on loopback and the portals served by uvicorn are fixtures of tests/conftest.py.
 pytestmark = needs_chromium
-
-
-@pytest.fixture(scope="module")
-def chromium():
-    with launch_chromium() as browser:
-        yield browser
-
-
-@pytest.fixture
-def page(chromium):
-    context = chromium.new_context(viewport={"width": 1100, "height": 700})
-    context.set_default_timeout(10_000)
-    yield context.new_page()
-    context.close()
 
 
 def test_dev_sign_in_and_approve_a_worker_in_the_browser(start_portal, page, output_dir):

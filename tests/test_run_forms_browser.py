@@ -7,27 +7,11 @@ import hashlib
 import io
 import tarfile
 
-import pytest
-
 from app.runs import checkpoints, registry
-from tests.support.browsers import launch_chromium, needs_chromium
+from tests.support.browsers import needs_chromium
 
 pytestmark = needs_chromium
 TEXT = "\n".join(f"the quick brown fox {i} jumps over the lazy dog, line {i * 7}" for i in range(200)).encode()
-
-
-@pytest.fixture(scope="module")
-def chromium():
-    with launch_chromium() as browser:
-        yield browser
-
-
-@pytest.fixture
-def page(chromium):
-    context = chromium.new_context(viewport={"width": 1100, "height": 900})
-    context.set_default_timeout(20_000)
-    yield context.new_page()
-    context.close()
 
 
 def test_an_organizer_creates_a_run_in_the_browser(start_portal, page, output_dir):
