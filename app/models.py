@@ -181,6 +181,9 @@ class Receipt(Base):
     epoch: Mapped[int] = mapped_column(Integer)
     sender_peer_id: Mapped[str] = mapped_column(String(100))
     weight: Mapped[float] = mapped_column(Float)
+    # What the aggregator cut from the sender's parts under robust aggregation (contract.Attestation as a dict);
+    # None when it cut nothing or does not say.
+    attestation: Mapped[Optional[dict]] = mapped_column(JSON, nullable=True)
 
 
 class Dispute(Base):

@@ -8,6 +8,8 @@
    elsewhere): ``averaging_emu.json``.
 3. Both side by side: ``averaging.json`` (a list of rows with ``mode`` "sim" or "emu") and ``averaging.md``.
 4. Training throughput, a swarm against solo processes (``bench.training``): ``training.json`` and ``training.md``.
+4b. The cost of robust aggregation, CenteredClip against the plain mean on the emulated profiles (``bench.robust_cost``,
+   needs root; a "skipped" row elsewhere): ``robust_cost.json`` and ``robust_cost.md``.
 5. Load on a deployment: PostgreSQL, two web processes, thousands of viewers (``bench.load``): ``load.json``, ``load.md``.
 
 How each bench measures, and what the figures mean: docs/benchmarks.md.
@@ -21,7 +23,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import emulate_averaging, load, simulate_averaging, simulate_groups, training
+from bench import emulate_averaging, load, robust_cost, simulate_averaging, simulate_groups, training
 from bench.emulate_averaging import ROUNDS
 
 RESULTS = Path("bench/results")
@@ -45,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     (RESULTS / "averaging.md").write_text(markdown_table(rows))
     print(f"wrote {RESULTS / 'averaging.json'} and {RESULTS / 'averaging.md'}")
     code = training.main(["--out", str(RESULTS / "training.json")])
+    code = code or robust_cost.main(["--out", str(RESULTS / "robust_cost.json")])
     return code or load.main(["--out", str(RESULTS / "load.json")])
 
 

@@ -269,24 +269,29 @@ def peer_process() -> int:
     listen = "/ip4/127.0.0.1/tcp/0" if config["client"] else f"/ip4/{config['ip']}/tcp/0"
     dht = hivemind.DHT(initial_peers=config["initial_peers"], host_maddrs=[listen], client_mode=config["client"],
                        start=True)
-    averager = None
+    averager = robust = None
+    options = dict(start=True, client_mode=config["client"], target_group_size=config["world"],
+                   min_group_size=config["world"], min_matchmaking_time=MATCHMAKING_S, request_timeout=MATCHMAKING_S / 2,
+                   allreduce_timeout=REPLY_TIMEOUT_S / 2, part_size_bytes=config["part_bytes"])
     try:
-        averager = PlannedAverager(
-            [torch.zeros(config["elements"])], dht, prefix="emu", start=True, client_mode=config["client"],
-            target_group_size=config["world"], min_group_size=config["world"], min_matchmaking_time=MATCHMAKING_S,
-            request_timeout=MATCHMAKING_S / 2, allreduce_timeout=REPLY_TIMEOUT_S / 2,
-            part_size_bytes=config["part_bytes"],
-        )
+        averager = PlannedAverager([torch.zeros(config["elements"])], dht, prefix="emu", **options)
+        if config.get("robust"):  # bench.robust_cost: a second averager that aggregates with CenteredClip
+            from dedloc_worker.robust import RobustRule
+
+            robust = PlannedAverager([torch.zeros(config["elements"])], dht, prefix="emu_robust",
+                                     robust=RobustRule(**config["robust"]), **options)
         maddrs = [str(a) for a in dht.get_visible_maddrs() if config["ip"] in str(a)]
         protocol.write(json.dumps({"peer_id": str(dht.peer_id), "maddrs": maddrs}) + "\n")
         for line in sys.stdin:
             command = json.loads(line)
             if command["cmd"] == "quit":
                 break
-            protocol.write(json.dumps(run_mode(averager, config, command)) + "\n")
+            chosen = robust if command.get("robust") else averager
+            protocol.write(json.dumps(run_mode(chosen, config, command)) + "\n")
     finally:
-        if averager is not None:
-            averager.shutdown()
+        for started in (averager, robust):
+            if started is not None:
+                started.shutdown()
         dht.shutdown()
     return 0
 
@@ -347,12 +352,15 @@ def ring_allreduce(vector, config: dict) -> tuple:
 
 
 def start_peers(star: Star, profile: Profile, elements: int, part_bytes: int, logs: Path,
-                name: str) -> tuple[list[Peer], list[str]]:
-    """Start one peer per namespace (the first bootstraps the others); returns the peers and their PeerIDs."""
+                name: str, robust: dict | None = None) -> tuple[list[Peer], list[str]]:
+    """Start one peer per namespace (the first bootstraps the others); returns the peers and their PeerIDs.
+
+    :param robust: ``RobustRule`` arguments: each peer also runs an averager with them (``robust`` commands)
+    """
     peers: list[Peer] = []
     for i, ns in enumerate(star.peers):
         peers.append(Peer(ns, logs / f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}-p{i}.log"))
-    config = dict(world=len(peers), elements=elements, ring_master=star.ip(0), part_bytes=part_bytes)
+    config = dict(world=len(peers), elements=elements, ring_master=star.ip(0), part_bytes=part_bytes, robust=robust)
     peers[0].send(**config, index=0, ip=star.ip(0), client=profile.links[0].client, initial_peers=[])
     first = peers[0].recv()
     for i, (peer, link) in enumerate(zip(peers[1:], profile.links[1:]), 1):

@@ -108,3 +108,21 @@ def test_a_part_nobody_trustworthy_sent_averages_to_zeros():
 def test_the_cap_is_the_ceiling_times_the_observed_time_plus_grace():
     assert RobustRule(1.0, 1, ceiling=100.0, grace=0.5).weight_cap(2.0) == pytest.approx(250.0)
     assert RobustRule(1.0, 1).weight_cap(2.0) == math.inf
+
+
+# sha256 of inspect.getsource(TensorPartReducer.accumulate_part) in hivemind 1.1.12, which RobustPartReducer copies
+# (keeping each part instead of summing it). If this changes, port hivemind's change to dedloc_worker/robust.py.
+ACCUMULATE_PART_SHA256 = "1d64a8bd77052ac43ed43003ec04ade86d07114ac5b50ec0a023470896d21793"
+
+
+def test_the_hivemind_reducer_code_copied_is_that_of_1_1_12():
+    import hashlib
+    import inspect
+
+    from hivemind.averaging.allreduce import AllReduceRunner
+    from hivemind.averaging.partition import TensorPartReducer
+
+    source = inspect.getsource(TensorPartReducer.accumulate_part)
+    assert hashlib.sha256(source.encode()).hexdigest() == ACCUMULATE_PART_SHA256
+    # the runner builds its reducer in __init__, where PlannedAverager replaces it before the round starts
+    assert "self.tensor_part_reducer = TensorPartReducer(" in inspect.getsource(AllReduceRunner.__init__)

@@ -86,7 +86,9 @@ def test_three_workers_two_of_them_liars_follow_the_plan_average_exactly_and_are
     """
     workers, rounds = ["alice", "bob", "carol"], deployment.workdir / "rounds"
     deployment.env["DEDLOC_PLAN_INTERVAL"] = "0"  # re-plan at each join, so the last plan names everyone
-    deployment.create_run(target_batch_size=3072)  # 2048 let alice race ahead and the joiners rarely all met
+    # 2048 let alice race ahead and the joiners rarely all met. The plain mean: this test checks hivemind's exact
+    # weighted mean and credit against carol's 100x weight (the cap and CenteredClip: test_robust_aggregation.py).
+    deployment.create_run(target_batch_size=3072, aggregation="mean")
     deployment.start_portal()
     deployment.start_coordinator()
     deployment.wait_for_coordinator()

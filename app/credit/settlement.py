@@ -41,6 +41,7 @@ from sqlalchemy.orm import Session
 from app.credit.decision import (  # noqa: F401  (re-exported: the names settlement's callers use)
     ALONE, NO_MEMBERS, NO_ROUND, NO_TOKEN, NOT_A_MEMBER, NOT_ACCUSED, OUTVOTED, REASON_LENGTH, UNRESOLVED, Decision,
     decide, same_account, unfinished, view_of)
+from app.credit import attestations
 from app.credit.ledger import SignedMetrics
 from app.credit.spot_checks import failed_checks
 from app.core.clock import as_utc, utcnow
@@ -101,6 +102,7 @@ def credit_epochs(session: Session, run: Run, seen: Sequence[SignedMetrics]) -> 
     record_peers(session, run, seen, known)
     new = _insert_ignore(session, Contribution, list(claims.values()), ["run_id", "peer_key", "epoch"])
     _insert_ignore(session, Receipt, list(receipts.values()), ["run_id", "aggregator_key", "group_id", "sender_peer_id"])
+    attestations.record(session, run, seen)
     groups = {row["group_id"] for row in claims.values()} | {group for _, group, _ in receipts}
     settle(session, run, groups, ungrouped=[key for key, row in claims.items() if not row["group_id"]])
     session.commit()

@@ -138,6 +138,7 @@ def run_config(run: Run) -> RunConfig:
         optimizer=OptimizerOptions(**run.optimizer),
         target_epochs=run.target_epochs,
         state=run.state or "active",
+        samples_per_second_ceiling=run.samples_per_second_ceiling,
     )
 
 

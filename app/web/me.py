@@ -9,7 +9,7 @@ from fastapi import APIRouter, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
 from app.core.errors import NotFound
-from app.credit import standings, volunteers
+from app.credit import attestations, standings, volunteers
 from app.identity import accounts
 from app.web.identity import CsrfChecked, CurrentUser
 from app.web.deps import SessionDep, SettingsDep
@@ -24,6 +24,7 @@ def my_contribution(request: Request, user: CurrentUser, session: SessionDep, se
         "peers": volunteers.own_peers(session, user.username), "epochs": volunteers.own_epochs(session, user.username),
         "epochs_shown": volunteers.EPOCHS_SHOWN,
         "held": volunteers.held_epochs(session, user.username),
+        "cuts": attestations.own_cuts(session, user.username),
         "credentials": accounts.machine_credentials(session, user.id),
         "token_minutes": max(1, round(settings.peer_token_lifetime / 60)),
     })

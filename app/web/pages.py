@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
-from app.credit import ledger, standings
+from app.credit import attestations, ledger, standings
 
 from app.runs import checkpoints, plans, registry
 from app.runs.progress import run_progress
@@ -35,7 +35,8 @@ def dashboard(request: Request, run: RunDep, session: SessionDep, settings: Sett
                   leaders=ledger.leaderboard(session, run, 10), plan=plans.public_plan(session, run),
                   checkpoints=saved, progress=run_progress(session, run),
                   status=run_status(session, run, settings.coordinator_timeout),
-                  can_organize=registry.may_organize(session, settings, run, user))
+                  can_organize=registry.may_organize(session, settings, run, user),
+                  cuts=attestations.recent_cuts(session, run))
 
 
 @router.get("/runs/{slug}/leaderboard")

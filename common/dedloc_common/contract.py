@@ -87,6 +87,12 @@ class OptimizerOptions(BaseModel):
     metadata_expiration: float = Field(60.0, gt=0)
     delay_optimizer_step: bool = False
     delay_grad_averaging: bool = False
+    # How each aggregator averages its parts: centered_clip caps each sender's weight at the run's ceiling for the
+    # round, drops non-finite parts and runs CenteredClip (docs/averaging.md#robust-aggregation); mean: hivemind's
+    # plain weighted mean. clip_radius is tau for the whole gradient vector (its L2 norm units).
+    aggregation: Literal["centered_clip", "mean"] = "centered_clip"
+    clip_radius: float = Field(1.0, gt=0, allow_inf_nan=False)
+    clip_iterations: int = Field(20, ge=1, le=1000)
     # At most this many peers average together (hivemind's target_group_size); a larger swarm averages in groups,
     # so that a peer that fails mid-round fails its group only (docs/averaging.md#groups). 8 as in sahajBERT.
     group_size: int = Field(8, ge=2, le=1024)
@@ -122,6 +128,8 @@ class RunConfig(BaseModel):
     optimizer: OptimizerOptions = Field(default_factory=OptimizerOptions)
     target_epochs: Optional[int] = Field(None, gt=0, description="the run ends after this many optimizer steps")
     state: Literal["active", "paused", "finished"] = "active"
+    samples_per_second_ceiling: Optional[float] = Field(None, gt=0, description="plausible samples per second per "
+                                                        "peer: aggregators cap senders' weights with it")
 
 
 class RunFile(BaseModel):
@@ -174,6 +182,23 @@ class EpochContribution(pydantic_v1.BaseModel):
     # A sketch of the gradient this peer accumulated in the epoch, for spot checks (dedloc_worker.spot_checks), as
     # encode_sketch writes it; "" when its task cannot be checked (or a worker before this field).
     sketch: pydantic_v1.StrictStr = ""
+    # Attestations: group -> PeerID -> what this peer, as an aggregator under robust aggregation, cut from that
+    # sender (only senders it cut): see Attestation.
+    attested: Dict[pydantic_v1.StrictStr, Dict[pydantic_v1.StrictStr, "Attestation"]] = {}
+
+
+class Attestation(pydantic_v1.BaseModel):
+    """How an aggregator treated one sender's parts in one round (dedloc_worker.robust)."""
+
+    parts: pydantic_v1.conint(ge=0, strict=True)  # parts of the sender it aggregated
+    weight: pydantic_v1.confloat(ge=0.0)  # the weight (samples) the sender sent; 0 when it was not finite
+    used: pydantic_v1.confloat(ge=0.0)  # the weight after the ceiling's cap
+    dropped: pydantic_v1.conint(ge=0, strict=True)  # parts dropped as not finite
+    clipped: pydantic_v1.conint(ge=0, strict=True)  # parts whose offset from the centre CenteredClip cut
+    kept: pydantic_v1.confloat(ge=0.0, le=1.0)  # the smallest fraction of a clipped part's offset kept
+
+
+EpochContribution.update_forward_refs(Attestation=Attestation)
 
 
 class LinkReport(pydantic_v1.BaseModel):

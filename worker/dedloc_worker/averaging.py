@@ -190,7 +190,7 @@ class PlannedAverager(DecentralizedAverager):
         self._plan: Optional[Dict[str, float]] = None
         self._last_round: Optional[RoundOutcome] = None  # written in the averager's own process
         self._robust, self._attest = robust, attest
-        self._previous_began = time.time()  # the weight cap's clock: a sender's samples accumulated since then
+        self._previous_ended = time.time()  # the weight cap's clock: senders accumulate samples from then on
         super().__init__(*args, **kwargs)
 
     @property
@@ -244,8 +244,7 @@ class PlannedAverager(DecentralizedAverager):
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 outcome.began = time.time()
                 if self._robust is not None:
-                    outcome.weight_cap = self._robust.weight_cap(outcome.began - self._previous_began)
-                    self._previous_began = outcome.began
+                    outcome.weight_cap = self._robust.weight_cap(outcome.began - self._previous_ended)
                 try:
                     runner_type = StreamingAllReduceRunner if outcome.planned else AllReduceRunner
                     await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions,
@@ -254,7 +253,7 @@ class PlannedAverager(DecentralizedAverager):
                     outcome.error = repr(e)
                     raise
                 finally:
-                    outcome.ended = time.time()
+                    outcome.ended = self._previous_ended = time.time()
                     self._note_runner(outcome, group_info)
             return dict(zip(group_info.peer_ids, user_gathered))
         except BaseException as e:
@@ -273,6 +272,9 @@ class PlannedAverager(DecentralizedAverager):
             ordered_peer_ids=group_info.peer_ids, **kwargs,
         )
         if self._robust is not None and self._last_round is not None:
+            plain = runner.tensor_part_reducer  # unused: finished quietly, else it warns "received 0.0%" when freed
+            plain.current_part_future.cancel()
+            plain.finished.set()
             runner.tensor_part_reducer = RobustPartReducer(
                 tuple(part.shape for part in runner.parts_for_local_averaging), len(runner.sender_peer_ids),
                 rule=self._robust, weight_cap=self._last_round.weight_cap, total_elements=self.total_size)

@@ -39,7 +39,7 @@ def centered_clip(inputs: torch.Tensor, weights: torch.Tensor, tau: float, itera
     dtype = torch.promote_types(inputs.dtype, torch.float32)
     flat = inputs.reshape(inputs.shape[0], -1).to(dtype)
     shares = weights.to(dtype) / weights.to(dtype).sum()
-    centre = flat.median(dim=0).values
+    centre = flat.quantile(0.5, dim=0)  # the median, halfway between the middle two of an even count
     scales = torch.ones(flat.shape[0], dtype=dtype)
     for _ in range(iterations):
         offsets = flat - centre

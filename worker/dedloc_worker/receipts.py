@@ -28,6 +28,7 @@ class ReceiptLog:
         self.path = folder / "receipts.jsonl"
         self._offset = 0
         self._members: Dict[str, List[str]] = {}
+        self._attested: Dict[str, Dict[str, dict]] = {}
 
     def note_part(self, group: bytes, sender_peer_id: str, weight: float) -> None:
         """A part received from ``sender_peer_id`` in round ``group`` (called in the averager's process)."""
@@ -37,6 +38,16 @@ class ReceiptLog:
         """This peer joined round ``group``, whose members are ``members`` (PeerIDs, base58, this peer among them),
         with its own gradients (called in the averager's process)."""
         self._append({"group": group.hex(), "own": True, "members": [str(member) for member in members]})
+
+    def note_attestation(self, group: bytes, notes: Dict[str, dict]) -> None:
+        """What this peer, as an aggregator under robust aggregation, cut from senders in round ``group``:
+        PeerID -> ``robust.Attestation.as_record()`` (called in the averager's process)."""
+        self._append({"group": group.hex(), "attested": notes})
+
+    def take_attested(self) -> Dict[str, Dict[str, dict]]:
+        """{group: {sender: attestation}} drained so far and not yet taken."""
+        taken, self._attested = self._attested, {}
+        return taken
 
     def members_of(self, group: str) -> List[str]:
         """The members of round ``group`` (hex) as this peer's averager formed it; [] when this peer did not join
@@ -62,7 +73,9 @@ class ReceiptLog:
         own, aggregated = None, {}
         for line in complete.splitlines():
             entry = json.loads(line)
-            if entry.get("own"):
+            if "attested" in entry:
+                self._attested.setdefault(entry["group"], {}).update(entry["attested"])
+            elif entry.get("own"):
                 own = entry["group"]
                 self._members[own] = entry.get("members", [])
                 while len(self._members) > ROUNDS_REMEMBERED:

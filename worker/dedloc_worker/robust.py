@@ -6,8 +6,9 @@ until each sender has sent it, or was banned for missing the round's timeout (hi
 then aggregates them:
 
 1. a sender's weight (the samples it says it accumulated) is capped at the run's samples-per-second ceiling times
-   the time since this aggregator's previous round began, plus a grace for peers whose epoch began a little
-   earlier (``RobustRule.weight_cap``);
+   the time from the end of this aggregator's previous round (when the senders of a group start accumulating
+   again) to the start of this one, plus a grace for peers whose previous round ended a little earlier
+   (``RobustRule.weight_cap``);
 2. a part or weight that is not finite is dropped (the sender still receives the result);
 3. the rest are averaged with ``centered_clip`` at a radius scaled to the part's size.
 
@@ -36,7 +37,8 @@ class RobustRule:
       n elements is clipped at ``tau * sqrt(k / n)``, so the radius does not depend on how the vector is split
     :param iterations: CenteredClip iterations
     :param ceiling: the run's plausible samples per second per peer; None: weights are not capped
-    :param grace: seconds added to the observed time before capping (epochs of peers start a round apart at most)
+    :param grace: seconds added to the observed time before capping (peers of other groups may have ended their
+      previous round up to a matchmaking time earlier)
     """
 
     tau: float

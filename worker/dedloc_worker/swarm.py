@@ -126,10 +126,12 @@ def gradient_compression(options):
     return {"fp16": Float16Compression, "uint8": Uniform8BitQuantization}.get(options.compression, NoCompression)()
 
 
-def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: bool = False, verbose: bool = False):
+def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: bool = False, verbose: bool = False,
+                     attest=None):
     """The run's collaborative optimizer over ``params``, configured from the run config.
 
     :param aux: an auxiliary peer: it aggregates its share of every round and trains nothing
+    :param attest: ``PlannedAverager``'s ``attest`` callback (``receipts.ReceiptLog.note_attestation``)
     """
     from .averaging import PlannedGradientAverager, guard_weightless_parts
 
@@ -160,13 +162,25 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
         # Pitfall 2: averager_opts reach only the state averager; the gradient averager gets them here, and it is
         # the one that applies the coordinator's averaging plan.
         grad_averager_factory=functools.partial(PlannedGradientAverager, part_size_bytes=GRADIENT_PART_BYTES,
-                                                **averager_opts),
+                                                robust=robust_rule(config), attest=attest, **averager_opts),
         averager_opts=averager_opts,
         tracker_opts=dict(metadata_expiration=opt.metadata_expiration),
         verbose=verbose,
     )
     signal.signal(signal.SIGINT, on_interrupt)  # pitfall 7
     return optimizer
+
+
+def robust_rule(config: RunConfig):
+    """The run's ``robust.RobustRule``, or None where it averages with the plain mean. The cap's grace is one
+    matchmaking time: the most a sender's epoch can have begun before the aggregator's."""
+    from .robust import RobustRule
+
+    opt = config.optimizer
+    if opt.aggregation == "mean":
+        return None
+    return RobustRule(tau=opt.clip_radius, iterations=opt.clip_iterations,
+                      ceiling=config.samples_per_second_ceiling, grace=opt.matchmaking_time)
 
 
 def restore(optimizer, state: dict) -> None:

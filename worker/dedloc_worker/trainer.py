@@ -106,7 +106,8 @@ def train(
     """
     addrs = [] if client_mode else [str(addr) for addr in dht.get_visible_maddrs()]
     hardware = hardware or describe_hardware()
-    opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode, aux=aux)
+    opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode, aux=aux,
+                           attest=receipts.note_attestation if receipts is not None else None)
     if resume is not None:
         restore(opt, resume)
     scaler = grad_scaler(task)
@@ -137,7 +138,9 @@ def train(
                 mini_step(task, config, opt, tally, scaler)
             while opt.finished_epochs:
                 finished = opt.finished_epochs.pop(0)
-                contribution = close_epoch(tally, finished, *(receipts.drain() if receipts else (None, {})))
+                group, aggregated = receipts.drain() if receipts else (None, {})
+                attested = receipts.take_attested() if receipts else {}
+                contribution = close_epoch(tally, finished, group, aggregated, attested)
                 contributions.append(contribution)
                 every_contribution.append(contribution)
                 link = follower.after_epoch(opt.grad_averager) if follower else None
@@ -207,10 +210,12 @@ def mini_step(task, config: RunConfig, opt, tally: EpochTally, scaler=None) -> N
     opt.zero_grad()
 
 
-def close_epoch(tally: EpochTally, finished, group: Optional[str], aggregated: dict) -> EpochContribution:
+def close_epoch(tally: EpochTally, finished, group: Optional[str], aggregated: dict,
+                attested: Optional[dict] = None) -> EpochContribution:
     return EpochContribution(
         group=group or "",
         aggregated=aggregated,
+        attested=attested or {},
         epoch=finished.epoch,
         samples=finished.samples,
         loss_sum=float(tally.loss_sum),
