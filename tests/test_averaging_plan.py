@@ -265,3 +265,30 @@ def test_peers_the_plan_does_not_name_and_no_plan_at_all_fall_back_to_hivemind(t
     # hivemind's runner, hold-back included and no window
     assert not outcomes[first].planned and not outcomes[first].streamed and outcomes[first].most_in_flight is None
     assert outcomes[first].fractions == pytest.approx([1 / 3] * 3, abs=1 / ELEMENTS)
+
+
+def test_averagers_meet_only_under_the_same_group_key(three_averagers):
+    """How a plan's groups reach the swarm (docs/averaging.md#groups): an averager looks for a group under its
+    group key only, so peers the plan puts in different groups never meet, and the same bits bring them together."""
+
+    def outcome(control):
+        try:
+            return control.result(timeout=60)
+        except Exception:  # hivemind's "could not find a group"
+            return None
+
+    try:
+        for averager, bits in zip(three_averagers, ("0", "0", "1")):
+            averager.set_group_bits(bits)
+        controls = [averager.step(weight=1.0, wait=False, timeout=4) for averager in three_averagers]
+        assert [outcome(control) for control in controls] == [None] * 3  # min_group_size is 3: no group of 2
+        for averager in three_averagers:
+            averager.set_group_bits("1")
+            averager.set_plan(None)
+        expected, results, outcomes = average_once(three_averagers, weights=(1.0, 1.0, 1.0), seed=11)
+        assert all(o.complete and len(o.peer_ids) == 3 for o in outcomes.values())
+        for result in results:
+            torch.testing.assert_close(result, expected, atol=1e-6, rtol=0)
+    finally:
+        for averager in three_averagers:
+            averager.set_group_bits("")

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from app.coordinator.planning import CPU_REDUCE_BPS, LinkSeen, profiles_of, step_options
+from app.coordinator.planning import CPU_REDUCE_BPS, LinkSeen, group_bits, profiles_of, step_options
 from app.planner import (
     PeerProfile,
     PlanningError,
@@ -24,7 +24,8 @@ from app.planner import (
     round_seconds,
 )
 from bench import simulate_groups
-from dedloc_common.contract import LinkReport, OptimizerOptions, RunConfig
+from dedloc_common.contract import LinkReport, OptimizerOptions, PlanRecord, RunConfig, plan_payload
+from dedloc_worker.planning import group_bits_for
 
 MBIT = 1e6 / 8
 V = 10e6
@@ -227,3 +228,32 @@ def test_the_groups_bench_confines_a_failure_to_its_group():
     assert grouped["round_seconds"] >= grouped["lower_bound_seconds"] * (1 - 1e-6)
     assert sum(grouped["roles"].values()) == 64
     assert "| 64 | 8 | 8 |" in simulate_groups.markdown([whole, grouped])
+
+
+# --- how the plan's groups reach the swarm (docs/averaging.md#groups) ---------------------------------------------
+
+
+def test_each_planned_group_gets_its_own_group_key_and_every_peer_finds_one():
+    peers = [peer(f"p{i}", 100 + i) for i in range(20)]
+    plan = plan_step(peers, V, StepOptions(1000, group_size=8))
+    bits = group_bits(plan)
+    assert len(plan.groups) == 3 and set(bits) == {p.peer for p in peers}
+    keys = [{bits[i] for i in group} for group in plan.groups]
+    assert all(len(k) == 1 for k in keys) and sorted(k.pop() for k in keys) == ["00", "01", "10"]
+    record = PlanRecord(shares=plan.shares, predicted_seconds=1.0, issued_at=1.0, signature="s", groups=bits)
+    assert all(group_bits_for(record, i) == bits[i] for i in bits)
+    newcomer = group_bits_for(record, "12D3KooW-not-in-the-plan")
+    assert newcomer in set(bits.values()) and newcomer == group_bits_for(record, "12D3KooW-not-in-the-plan")
+    one_group = plan_step(peers[:8], V, StepOptions(1000, group_size=8))
+    assert group_bits(one_group) == {}
+    assert group_bits_for(PlanRecord(shares=one_group.shares, predicted_seconds=1.0, issued_at=1.0,
+                                     signature="s"), "p0") == ""
+
+
+def test_groups_are_signed_with_the_plan_and_a_plan_without_them_signs_as_before():
+    shares = {"a": 0.5, "b": 0.5}
+    assert plan_payload(shares, 1.0, 2.0) == plan_payload(shares, 1.0, 2.0, {})
+    assert b"groups" not in plan_payload(shares, 1.0, 2.0)
+    assert plan_payload(shares, 1.0, 2.0, {"a": "0", "b": "1"}) != plan_payload(shares, 1.0, 2.0, {"a": "1", "b": "0"})
+    with pytest.raises(ValueError):
+        PlanRecord(shares=shares, predicted_seconds=1.0, issued_at=1.0, signature="s", groups={"a": "2"})

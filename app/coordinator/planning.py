@@ -83,6 +83,16 @@ def step_options(config: RunConfig) -> StepOptions:
                        group_size=opt.group_size)
 
 
+def group_bits(plan: Plan) -> dict[str, str]:
+    """Each peer's group as the bits of hivemind's group key: group i of G is i in ceil(log2 G) binary digits.
+    Peers with the same bits look for each other under the same DHT key, and only there (docs/averaging.md#groups).
+    {} for a plan of one group."""
+    if len(plan.groups) < 2:
+        return {}
+    width = max(1, (len(plan.groups) - 1).bit_length())
+    return {peer: format(index, f"0{width}b") for index, group in enumerate(plan.groups) for peer in group}
+
+
 def group_of(plan: Plan, peer_id: str) -> int:
     """The index of the peer's averaging group in the plan (0 when the plan has one group)."""
     return next((index for index, group in enumerate(plan.groups) if peer_id in group), 0)
@@ -127,10 +137,11 @@ class PlanKeeper:
 
     def _adopt(self, session: Session, run: Run, plan: Plan, peers: Sequence[LinkSeen], reason: str) -> None:
         issued_at = time.time()
+        groups = group_bits(plan)
         signature = tokens.sign_plan(session, self.settings, run,
-                                     plan_payload(plan.shares, plan.predicted_seconds, issued_at))
+                                     plan_payload(plan.shares, plan.predicted_seconds, issued_at, groups))
         self.record = PlanRecord(shares=plan.shares, predicted_seconds=plan.predicted_seconds, issued_at=issued_at,
-                                 signature=signature)
+                                 signature=signature, groups=groups)
         row = AveragingPlan(
             run_id=run.id, vector_bytes=self.vector_bytes, predicted_seconds=plan.predicted_seconds,
             lower_bound_seconds=plan.lower_bound_seconds, reason=reason[:200],

@@ -291,14 +291,20 @@ class PlanRecord(pydantic_v1.BaseModel):
     predicted_seconds: pydantic_v1.confloat(ge=0.0)
     issued_at: pydantic_v1.StrictFloat
     signature: pydantic_v1.StrictStr
+    # Each peer's averaging group, as the bits of hivemind's group key (docs/averaging.md#groups); {}: one group.
+    groups: Dict[pydantic_v1.StrictStr, pydantic_v1.constr(regex=r"^[01]{1,16}$")] = {}
 
 
-def plan_payload(shares: Dict[str, float], predicted_seconds: float, issued_at: float) -> bytes:
-    """The bytes the authority signs: shares rounded to 1e-9 so every side serializes them alike."""
+def plan_payload(shares: Dict[str, float], predicted_seconds: float, issued_at: float,
+                 groups: Optional[Dict[str, str]] = None) -> bytes:
+    """The bytes the authority signs: shares rounded to 1e-9 so every side serializes them alike. Groups are signed
+    where the plan has them (a plan without them signs the same bytes as before they existed)."""
     import json
 
     body = {"shares": {peer: round(float(share), 9) for peer, share in sorted(shares.items())},
             "predicted_seconds": round(float(predicted_seconds), 6), "issued_at": repr(float(issued_at))}
+    if groups:
+        body["groups"] = dict(sorted(groups.items()))
     return b"plan " + json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
 
 

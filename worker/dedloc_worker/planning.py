@@ -4,11 +4,12 @@ The worker measures its upload and download once at join (``portal.measure_link`
 metrics record with its role and its last all-reduce's duration; the coordinator plans from those reports and
 publishes a plan signed by the run's authority. A thread reads the newest plan every second; after each epoch the
 training loop gives it to the gradient averager (``averaging.PlannedGradientAverager.set_plan``), which announces
-its share to its group.
+its share to its group, and puts the averager in the plan's group (``group_bits_for``, docs/averaging.md#groups).
 """
 
 from __future__ import annotations
 
+import hashlib
 import threading
 from typing import Optional
 
@@ -59,6 +60,9 @@ class PlanFollower(threading.Thread):
         if plan is not None and plan is not self.applied:
             averager.set_plan(plan.shares)
             self.applied = plan
+        if self.applied is not None:
+            # every epoch: hivemind moves an averager to another group key after each round it joins
+            averager.set_group_bits(group_bits_for(self.applied, str(averager.peer_id)), wait=False)
         try:
             last = averager.last_round(timeout=ROUND_QUERY_TIMEOUT)
         except Exception:  # the averager is busy or shutting down: report the previous figures
@@ -66,6 +70,17 @@ class PlanFollower(threading.Thread):
         if last is not None and last.complete:
             self.link = self.link.copy(update=dict(round_seconds=round(last.seconds, 4), round_planned=last.planned))
         return self.link
+
+
+def group_bits_for(plan: PlanRecord, peer_id: str) -> str:
+    """The bits of this peer's group key under ``plan``: its own group; a group picked by its PeerID where the plan
+    does not name it yet (a newcomer joins a group until the next plan places it); "" for a plan of one group."""
+    if not plan.groups:
+        return ""
+    if peer_id in plan.groups:
+        return plan.groups[peer_id]
+    keys = sorted(set(plan.groups.values()))
+    return keys[int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % len(keys)]
 
 
 def link_report(measured: Optional[tuple[float, float]], params, client_mode: bool, aux: bool) -> LinkReport:

@@ -195,7 +195,8 @@ def publish_plan(dht: DHT, run_id: str, signature: RSASignatureValidator, plan: 
 def read_plan(dht: DHT, run_id: str, check) -> Optional[PlanRecord]:
     """The newest plan signed by the run's authority, or None (two coordinators may both publish one)."""
     return _newest_authentic(dht, plan_key(run_id), PlanRecord, check,
-                             lambda record: plan_payload(record.shares, record.predicted_seconds, record.issued_at))
+                             lambda record: plan_payload(record.shares, record.predicted_seconds, record.issued_at,
+                                                         record.groups))
 
 
 def publish_acks(dht: DHT, run_id: str, signature: RSASignatureValidator, acks: List[AckRecord],
