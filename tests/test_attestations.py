@@ -44,3 +44,24 @@ def test_attestations_are_stored_and_shown_on_the_dashboard_and_to_the_sender(se
         assert "weight capped from 3,200 to 57 samples" in mine and "alice" in mine
     with TestClient(app) as other:
         assert "No aggregator cut anything" in sign_in(other, "alice").get("/me").text
+
+
+def test_robust_aggregation_options_are_validated_like_the_others(sessions):
+    import pytest
+
+    from app.core.errors import Invalid
+    from app.runs import registry
+
+    with sessions() as session:
+        run = registry.create_run(session, slug="opts", title="Opts", optimizer={"clip_radius": 2.5})
+        config = registry.run_config(run)
+        assert (config.optimizer.aggregation, config.optimizer.clip_radius) == ("centered_clip", 2.5)  # on by default
+        assert config.samples_per_second_ceiling == run.samples_per_second_ceiling  # the cap's ceiling reaches workers
+        for bad, words in (({"aggregation": "median"}, "optimizer.aggregation"),
+                           ({"clip_radius": 0}, "optimizer.clip_radius"),
+                           ({"clip_radius": "nan"}, "optimizer.clip_radius"),
+                           ({"clip_iterations": 0}, "optimizer.clip_iterations")):
+            with pytest.raises(Invalid, match=words):
+                registry.create_run(session, slug="bad", title="Bad", optimizer=bad)
+        plain = registry.create_run(session, slug="plain", title="Plain", optimizer={"aggregation": "mean"})
+        assert registry.run_config(plain).optimizer.aggregation == "mean"

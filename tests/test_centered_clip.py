@@ -126,3 +126,16 @@ def test_the_hivemind_reducer_code_copied_is_that_of_1_1_12():
     assert hashlib.sha256(source.encode()).hexdigest() == ACCUMULATE_PART_SHA256
     # the runner builds its reducer in __init__, where PlannedAverager replaces it before the round starts
     assert "self.tensor_part_reducer = TensorPartReducer(" in inspect.getsource(AllReduceRunner.__init__)
+
+
+def test_the_worker_takes_its_rule_from_the_run_config():
+    from dedloc_common.contract import OptimizerOptions, RunConfig
+    from dedloc_worker.swarm import robust_rule
+
+    def config(**options):
+        return RunConfig(slug="r", run_id="r", task="tiny-lm", target_batch_size=64, batch_size=16,
+                         samples_per_second_ceiling=500.0, optimizer=OptimizerOptions(**options))
+
+    assert robust_rule(config(clip_radius=2.0, clip_iterations=5, matchmaking_time=1.5)) == RobustRule(
+        tau=2.0, iterations=5, ceiling=500.0, grace=1.5)
+    assert robust_rule(config(aggregation="mean")) is None
