@@ -11,6 +11,8 @@
 4b. The cost of robust aggregation, CenteredClip against the plain mean on the emulated profiles (``bench.robust_cost``,
    needs root; a "skipped" row elsewhere): ``robust_cost.json`` and ``robust_cost.md``.
 5. Load on a deployment: PostgreSQL, two web processes, thousands of viewers (``bench.load``): ``load.json``, ``load.md``.
+6. The paper's equivalence claim, a two-peer swarm against one process (``bench.equivalence``): ``equivalence.json``
+   and ``equivalence.md``.
 
 How each bench measures, and what the figures mean: docs/benchmarks.md.
 """
@@ -23,7 +25,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import emulate_averaging, load, robust_cost, simulate_averaging, simulate_groups, training
+from bench import emulate_averaging, equivalence, load, robust_cost, simulate_averaging, simulate_groups, training
 from bench.emulate_averaging import ROUNDS
 
 RESULTS = Path("bench/results")
@@ -48,7 +50,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {RESULTS / 'averaging.json'} and {RESULTS / 'averaging.md'}")
     code = training.main(["--out", str(RESULTS / "training.json")])
     code = code or robust_cost.main(["--out", str(RESULTS / "robust_cost.json")])
-    return code or load.main(["--out", str(RESULTS / "load.json")])
+    code = code or load.main(["--out", str(RESULTS / "load.json")])
+    return code or equivalence.main(["--out", str(RESULTS / "equivalence.json")])
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
