@@ -13,6 +13,8 @@
 5. Load on a deployment: PostgreSQL, two web processes, thousands of viewers (``bench.load``): ``load.json``, ``load.md``.
 6. The paper's equivalence claim, a two-peer swarm against one process (``bench.equivalence``): ``equivalence.json``
    and ``equivalence.md``.
+7. What spot checks cost a worker and the swarm, on the demo's model (``bench.spot_checks``): ``spot_checks.json``
+   and ``spot_checks.md``.
 
 How each bench measures, and what the figures mean: docs/benchmarks.md.
 """
@@ -25,7 +27,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import emulate_averaging, equivalence, load, robust_cost, simulate_averaging, simulate_groups, training
+from bench import (emulate_averaging, equivalence, load, robust_cost, simulate_averaging, simulate_groups, spot_checks,
+                   training)
 from bench.emulate_averaging import ROUNDS
 
 RESULTS = Path("bench/results")
@@ -51,7 +54,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = training.main(["--out", str(RESULTS / "training.json")])
     code = code or robust_cost.main(["--out", str(RESULTS / "robust_cost.json")])
     code = code or load.main(["--out", str(RESULTS / "load.json")])
-    return code or equivalence.main(["--out", str(RESULTS / "equivalence.json")])
+    code = code or equivalence.main(["--out", str(RESULTS / "equivalence.json")])
+    return code or spot_checks.main(["--out", str(RESULTS / "spot_checks.json")])
 
 
 def markdown_table(rows: Sequence[dict]) -> str:
