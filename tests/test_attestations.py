@@ -65,3 +65,23 @@ def test_robust_aggregation_options_are_validated_like_the_others(sessions):
                 registry.create_run(session, slug="bad", title="Bad", optimizer=bad)
         plain = registry.create_run(session, slug="plain", title="Plain", optimizer={"aggregation": "mean"})
         assert registry.run_config(plain).optimizer.aggregation == "mean"
+
+
+def test_a_full_claim_outbox_sheds_attestations_before_any_claim():
+    """Attestations are evidence, claims are credit: a coordinator outage long enough to fill the record costs the
+    oldest claims' attestations first."""
+    import time
+
+    from dedloc_common.contract import EpochContribution, MetricsRecord
+    from dedloc_worker.claims import ClaimOutbox
+
+    notes = {f"g{i}": {f"QmSender{j}": CLIPPED for j in range(8)} for i in range(2)}
+    claims = [EpochContribution(epoch=e, samples=10, loss_sum=1.0, mini_steps=1, seconds=1.0, attested=notes)
+              for e in range(6)]
+    bare = len(claims[0].copy(update={"attested": {}}).json())
+    outbox = ClaimOutbox(max_bytes=6 * bare + 2 * (len(claims[0].json()) - bare))  # all claims, two attested
+    for claim in claims:
+        sent = outbox.outgoing(MetricsRecord(username="alice", epoch=9, samples_per_second=1.0, time=time.time(),
+                                             recent=[claim]))
+    assert [c.epoch for c in sent.recent] == list(range(6)) and outbox.dropped == 0
+    assert [bool(c.attested) for c in sent.recent] == [False] * 4 + [True] * 2  # the newest keep theirs

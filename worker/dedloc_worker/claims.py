@@ -7,7 +7,8 @@ there. The ``ClaimKeeper`` thread reads the coordinator's acknowledgement for th
 authority: ``contract.AckRecord``), drops the claims it covers, and republishes the record before it expires, also
 while no epoch closes (a paused run, a stalled swarm). A coordinator that comes back after any outage reads every
 claim made meanwhile, up to the caps that keep the record small (``contract.PENDING_CLAIMS_KEPT`` and
-``PENDING_CLAIMS_BYTES``; past them the oldest claims are dropped, with a line in the worker's output).
+``PENDING_CLAIMS_BYTES``; past them the oldest claims' attestations, then the oldest claims are dropped, with a
+line in the worker's output).
 
 What it cannot keep: the claims of a worker that leaves while the coordinator is down live in the DHT for one
 record lifetime (``records.metrics_ttl``) after it leaves.
@@ -83,6 +84,12 @@ class ClaimOutbox:
             return True
 
     def _cap(self) -> None:
+        for epoch in sorted(self.pending):  # attestations go first, oldest first: they are evidence, not credit
+            if sum(self._sizes.values()) <= self.max_bytes:
+                break
+            if self.pending[epoch].attested:
+                self.pending[epoch] = self.pending[epoch].copy(update={"attested": {}})
+                self._sizes[epoch] = len(json.dumps(self.pending[epoch].dict()))
         while self.pending and (len(self.pending) > self.kept or sum(self._sizes.values()) > self.max_bytes):
             oldest = min(self.pending)
             del self.pending[oldest], self._sizes[oldest]
