@@ -40,7 +40,8 @@ class StepOptions:
 
     :param target_batch_size: samples per optimizer step, collaboration-wide
     :param overlap: delayed parameter updates: averaging runs during the next accumulation
-    :param group_size: at most this many peers average together; None: one group of every peer
+    :param group_size: at most this many peers average together (at least 3: with 2, an odd swarm leaves a peer
+      alone); None: one group of every peer
     """
 
     target_batch_size: int
@@ -50,12 +51,13 @@ class StepOptions:
     def __post_init__(self) -> None:
         if self.target_batch_size <= 0:
             raise PlanningError(f"target_batch_size must be a positive number of samples, got {self.target_batch_size}")
-        if self.group_size is not None and self.group_size < 2:
-            raise PlanningError(f"group_size must be at least 2 peers, got {self.group_size}")
+        if self.group_size is not None and self.group_size < 3:
+            raise PlanningError(f"group_size must be at least 3 peers, got {self.group_size}")
 
 
 def partition_groups(peers: Iterable[PeerProfile], group_size: int | None) -> list[list[PeerProfile]]:
-    """The peers dealt into ceil(n / group_size) groups whose sizes differ by at most one.
+    """The peers dealt into ceil(n / group_size) groups whose sizes differ by at most one (so at least 2 each, for a
+    group size of 3 or more).
 
     Peers are dealt in snake order (0, 1, ..., G-1, G-1, ..., 0, ...): first the senders that may aggregate, then the
     auxiliary peers, then the client-mode peers, each kind fastest link first; so every group gets a peer that may

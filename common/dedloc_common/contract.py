@@ -94,8 +94,9 @@ class OptimizerOptions(BaseModel):
     clip_radius: float = Field(1.0, gt=0, allow_inf_nan=False)
     clip_iterations: int = Field(20, ge=1, le=1000)
     # At most this many peers average together (hivemind's target_group_size); a larger swarm averages in groups,
-    # so that a peer that fails mid-round fails its group only (docs/averaging.md#groups). 8 as in sahajBERT.
-    group_size: int = Field(8, ge=2, le=1024)
+    # so that a peer that fails mid-round fails its group only (docs/averaging.md#groups). 8 as in sahajBERT; at
+    # least 3, since groups of at most 2 leave one peer of an odd swarm alone, averaging with nobody.
+    group_size: int = Field(8, ge=3, le=1024)
 
 
 # Loopback swarms (the demo, the tests): every peer on one machine, rounds form in well under a second.
