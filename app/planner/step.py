@@ -151,7 +151,7 @@ def _solve(swarms: Sequence[_Swarm], floors: Sequence[float], vector_bytes: floa
     n_shares, n_groups = int(offsets[-1]), len(solved)
     tau = n_shares + n_groups
     blocks, b_ub, lower = [], [], []
-    for g, (swarm, floor) in enumerate(zip(solved, floors_of(swarms, floors))):
+    for g, (swarm, floor) in enumerate(zip(solved, _solved_floors(swarms, floors))):
         idx = np.flatnonzero(swarm.aggregates)
         load, base = swarm.share_load()[idx], swarm.sends[idx].astype(float)
         per_byte = [vector_bytes / swarm.up[idx], vector_bytes / swarm.down[idx]]
@@ -209,7 +209,7 @@ def _solve(swarms: Sequence[_Swarm], floors: Sequence[float], vector_bytes: floa
     return shares
 
 
-def floors_of(swarms: Sequence[_Swarm], floors: Sequence[float]) -> list[float]:
+def _solved_floors(swarms: Sequence[_Swarm], floors: Sequence[float]) -> list[float]:
     """The floors of the groups that have something to average, in order."""
     return [floor for swarm, floor in zip(swarms, floors) if swarm.n_senders]
 
