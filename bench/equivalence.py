@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import signal
 import sys
 import tempfile
@@ -242,8 +243,9 @@ def measure(mode: str, dpu: bool, epochs: int, timeout: float) -> dict:
     results = [work / f"peer{i}.json" for i in range(PEERS)]
     if not all(path.exists() for path in results):
         tail = (work / "peer0.log").read_text()[-400:] if (work / "peer0.log").exists() else ""
-        return dict(row, error=f"a peer did not finish within {timeout:.0f} s: {tail}")
+        return dict(row, error=f"a peer did not finish within {timeout:.0f} s (logs in {work}): {tail}")
     peers = [json.loads(path.read_text()) for path in results]
+    shutil.rmtree(work, ignore_errors=True)
     steps, params = reference(peers, epochs, strict)
     gaps = [abs(s["swarm_loss"] - s["reference_loss"]) for s in steps]
     row.update(compared_steps=len(steps), steps_with_both_peers=sum(s["peers"] == PEERS for s in steps),
