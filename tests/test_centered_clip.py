@@ -24,7 +24,7 @@ def stacks(draw, min_inputs: int = 1):
     return torch.tensor(values, dtype=torch.float64).reshape(n, d), torch.tensor(weights, dtype=torch.float64)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(stacks())
 def test_with_a_radius_beyond_every_offset_it_is_the_weighted_mean(stack):
     inputs, weights = stack
@@ -35,7 +35,7 @@ def test_with_a_radius_beyond_every_offset_it_is_the_weighted_mean(stack):
     assert torch.all(result.scales == 1.0)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=100, deadline=None)
 @given(st.integers(2, 6), st.lists(finite, min_size=3, max_size=3), st.floats(1e-3, 1e9), st.floats(0.01, 10),
        st.floats(0.05, 1.0), st.integers(1, 50))
 def test_one_outlier_moves_the_result_by_at_most_its_weight_share_of_tau(honest, point, scale, tau, share, steps):
@@ -103,6 +103,16 @@ def test_the_reducer_drops_non_finite_parts_caps_weights_and_clips_and_says_whom
 def test_a_part_nobody_trustworthy_sent_averages_to_zeros():
     result, notes = reduce([torch.full((2,), float("nan"))] * 2, [1.0, 1.0], RobustRule(tau=1.0, iterations=3))
     assert torch.equal(result, torch.zeros(2)) and set(notes) == {"peer0", "peer1"}
+
+
+def test_a_part_that_cannot_be_aggregated_fails_every_sender_instead_of_hanging():
+    async def run():
+        reducer = RobustPartReducer([torch.Size([4])], 2, rule=RobustRule(1.0, 3), weight_cap=math.inf,
+                                    total_elements=4)
+        sends = [reducer.accumulate_part(0, 0, torch.ones(4)), reducer.accumulate_part(1, 0, torch.ones(3))]
+        return await asyncio.wait_for(asyncio.gather(*sends, return_exceptions=True), timeout=5)
+
+    assert all(isinstance(outcome, RuntimeError) for outcome in asyncio.run(run()))
 
 
 def test_the_cap_is_the_ceiling_times_the_observed_time_plus_grace():

@@ -190,7 +190,9 @@ class PlannedAverager(DecentralizedAverager):
         self._plan: Optional[Dict[str, float]] = None
         self._last_round: Optional[RoundOutcome] = None  # written in the averager's own process
         self._robust, self._attest = robust, attest
-        self._previous_ended = time.time()  # the weight cap's clock: senders accumulate samples from then on
+        # The weight cap's clock: senders accumulate samples from then on. None before this peer's first round: a
+        # peer that joins mid-epoch has not seen how long the others have been accumulating, so it caps nothing.
+        self._previous_ended: Optional[float] = None
         super().__init__(*args, **kwargs)
 
     @property
@@ -244,7 +246,8 @@ class PlannedAverager(DecentralizedAverager):
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 outcome.began = time.time()
                 if self._robust is not None:
-                    outcome.weight_cap = self._robust.weight_cap(outcome.began - self._previous_ended)
+                    outcome.weight_cap = (math.inf if self._previous_ended is None else
+                                          self._robust.weight_cap(outcome.began - self._previous_ended))
                 try:
                     runner_type = StreamingAllReduceRunner if outcome.planned else AllReduceRunner
                     await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions,

@@ -8,7 +8,7 @@ then aggregates them:
 1. a sender's weight (the samples it says it accumulated) is capped at the run's samples-per-second ceiling times
    the time from the end of this aggregator's previous round (when the senders of a group start accumulating
    again) to the start of this one, plus a grace for peers whose previous round ended a little earlier
-   (``RobustRule.weight_cap``);
+   (``RobustRule.weight_cap``; not in an aggregator's first round, which cannot know when the others began);
 2. a part or weight that is not finite is dropped (the sender still receives the result);
 3. the rest are averaged with ``centered_clip`` at a radius scaled to the part's size.
 
@@ -125,7 +125,10 @@ class RobustPartReducer(TensorPartReducer):
     def check_current_part_finished(self):
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
-            self.current_part_future.set_result(self._aggregate(self._inputs))
+            try:
+                self.current_part_future.set_result(self._aggregate(self._inputs))
+            except Exception as e:  # every sender waiting on this part fails with it, none hangs
+                self.current_part_future.set_exception(e)
             self.reset_accumulators()
 
     def _aggregate(self, inputs: List[Tuple[int, torch.Tensor, float]]) -> torch.Tensor:

@@ -106,8 +106,10 @@ def main(schedule_path: str, index: str, out_path: str, *initial_peers: str) -> 
         Path(f"{out}.addr").write_text(json.dumps([str(addr) for addr in dht.get_visible_maddrs()]))
     rule = RobustRule(tau=schedule["tau"], iterations=schedule["iterations"], ceiling=schedule["ceiling"],
                       grace=schedule["grace"])
+    # 4-value parts: each peer aggregates one. allreduce_timeout: under load a peer can give up matchmaking just as
+    # the leader counts it in, and the others would wait for its parts forever.
     common = dict(start=True, target_group_size=PEERS, min_group_size=PEERS, min_matchmaking_time=2.0,
-                  request_timeout=1.0, part_size_bytes=16)  # 4-value parts: each peer aggregates one
+                  request_timeout=1.0, part_size_bytes=16, allreduce_timeout=10.0)
     averagers = {
         "centered_clip": PlannedAverager([torch.zeros(schedule["dim"])], dht, prefix="poison_robust", robust=rule,
                                          **common),
