@@ -44,6 +44,11 @@ def test_attestations_are_stored_and_shown_on_the_dashboard_and_to_the_sender(se
         assert "weight capped from 3,200 to 57 samples" in mine and "alice" in mine
     with TestClient(app) as other:
         assert "No aggregator cut anything" in sign_in(other, "alice").get("/me").text
+        assert 'id="aggregation-mean"' not in other.get("/runs/robust").text
+    with sessions() as session:
+        aged_run(session, "plain", optimizer={"aggregation": "mean"})
+    with TestClient(app) as client:
+        assert "the plain weighted mean: no aggregator caps" in client.get("/runs/plain").text
 
 
 def test_robust_aggregation_options_are_validated_like_the_others(sessions):
