@@ -71,8 +71,9 @@ class SpotChecker(threading.Thread):
         self._wake.set()
 
     def shutdown(self) -> None:
+        """Stop; a recomputation stops at its next mini-step (a state download is left to its timeout)."""
         self.halt()
-        self.join(timeout=30)
+        self.join(timeout=5)
 
     def step(self, epoch: int, training: list[str], records: dict) -> None:
         if not self.pending:
@@ -121,7 +122,10 @@ class SpotChecker(threading.Thread):
                 param.copy_(value)
         started = time.monotonic()
         with self.checkpointer.lock:  # a task may reseed the global RNG, which the checkpointer's evaluation uses
-            sketch, loss = recompute(self.task, self.config, peer_key, claim.epoch, claim.mini_steps)
+            done = recompute(self.task, self.config, peer_key, claim.epoch, claim.mini_steps, halt=self._halt)
+        if done is None:  # the coordinator is stopping
+            return
+        sketch, loss = done
         seconds = time.monotonic() - started
         claimed_loss = claim.loss_sum / claim.mini_steps
         verdict = judge(claim.sketch, sketch, claimed_loss, loss)

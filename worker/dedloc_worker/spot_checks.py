@@ -15,6 +15,7 @@ Face tasks on the run's files; others publish no sketch. docs/spot-checks.md say
 from __future__ import annotations
 
 import hashlib
+import threading
 from typing import Iterable, List, Optional, Tuple
 
 import torch
@@ -70,14 +71,17 @@ def sketch_of(tensors: Iterable[torch.Tensor], run_seed: int, dims: int = SKETCH
     return [float(value) for value in out]
 
 
-def recompute(task, config, peer_key: str, epoch: int, mini_steps: int) -> Tuple[str, float]:
+def recompute(task, config, peer_key: str, epoch: int, mini_steps: int,
+              halt: Optional[threading.Event] = None) -> Optional[Tuple[str, float]]:
     """(sketch, mean loss per mini-step) of what the peer ``peer_key`` should have accumulated in ``epoch``: its
     ``mini_steps`` batches redrawn and run through ``task.model`` with the parameters it holds now, as
-    ``trainer.mini_step`` does (the run's gradient clipping included)."""
+    ``trainer.mini_step`` does (the run's gradient clipping included). None when ``halt`` is set meanwhile."""
     task.reseed(epoch_seed(config.seed, peer_key, epoch))
     total, loss_sum = GradientSum(config.seed), 0.0
     params = list(task.model.parameters())
     for _ in range(mini_steps):
+        if halt is not None and halt.is_set():
+            return None
         task.model.zero_grad(set_to_none=True)
         loss = task.batch_loss(config.batch_size)
         loss.backward()
