@@ -1,7 +1,9 @@
-"""Link probes: timed transfers a worker makes to measure its bandwidth, in both directions.
+"""Link probes: what a worker asks the portal about its own network at join.
 
 ``GET /api/v1/runs/{slug}/link-probe?size=N`` answers N random bytes; ``POST`` reads the body and answers how many
-bytes came. Both need the worker's API credential, so the portal is no free bandwidth sink for anyone.
+bytes came (timed transfers: the worker's bandwidth in both directions). ``POST .../reachability`` dials the worker
+back (``app.runs.reachability``): can peers connect to it, or must it be a client? All need the worker's API
+credential, so the portal is no free bandwidth sink or dialer for anyone.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import functools
 import os
 from typing import Annotated
 
-from dedloc_common.contract import API_PREFIX, LINK_PROBE_MAX_BYTES
+from dedloc_common.contract import API_PREFIX, LINK_PROBE_MAX_BYTES, ReachabilityReport, ReachabilityRequest
 from fastapi import APIRouter, Depends, Query, Request
 from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
@@ -76,3 +78,13 @@ async def count_body(request: Request, limit: int) -> int:
     except ClientDisconnect:
         raise DedlocError("the link probe upload broke off before its end; measure again") from None
     return received
+
+
+@router.post("/runs/{slug}/reachability", response_model=ReachabilityReport,
+             responses={400: error("the body is not JSON")})
+async def reachability(run: RunDep, user: ApiUser, request: Request, body: ReachabilityRequest):
+    """Dial the worker back on each port it announces, at the address its request comes from (and nowhere
+    else): reachable when a libp2p peer answers on one, else why not, address by address."""
+    from app.runs.reachability import dial_back
+
+    return await dial_back(body.addrs, request.client.host if request.client else "")

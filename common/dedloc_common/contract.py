@@ -386,3 +386,36 @@ class PeerTokenGrant(BaseModel):
     authority_public_key: str = Field(description="the run's authority key, OpenSSH format")
     lifetime_seconds: float
     join: JoinInfo
+
+
+class ReachabilityRequest(BaseModel):
+    """``POST /api/v1/runs/{slug}/reachability``: the multiaddrs a worker's swarm node listens on."""
+
+    addrs: List[str] = Field(min_length=1, max_length=16)
+
+
+class AddressCheck(BaseModel):
+    addr: str = Field(description="the announced multiaddr")
+    dialed: Optional[str] = Field(description="host:port the portal dialed; None when it dialed nothing for it")
+    reachable: bool
+    reason: str = Field(description="in words: what answered, or why nothing did")
+
+
+class ReachabilityReport(BaseModel):
+    """Whether peers can open connections to a worker: the portal dials it back, at the address the worker's
+    request came from (only there: it dials no one else), on each port the worker announces."""
+
+    reachable: bool = Field(description="some address answered as a libp2p peer: the worker can be a full peer")
+    seen_from: str = Field(description="the address the portal sees the worker's request come from")
+    checks: List[AddressCheck]
+    how: str = Field(description="how this was decided, in words, for the worker's terminal and pages")
+
+
+class SignedDenylist(BaseModel):
+    """``GET /api/v1/runs/{slug}/denylist``: the run's bans signed by its authority (``denylist_payload``), as the
+    coordinator publishes them to the DHT; workers ask the portal too, so a ban reaches them while no coordinator
+    is up."""
+
+    usernames: List[str]
+    issued_at: float = Field(description="seconds since the epoch; the newest denylist a peer has seen wins")
+    signature: str

@@ -36,7 +36,9 @@ from hivemind.utils.timed_storage import get_dht_time
 from dedloc_common.contract import PeerToken, token_payload
 from dedloc_common.signing import load_public_openssh, peer_id_of, verify
 
-RECALL_EVERY = 15  # keeper rounds between two calls to the run's coordinators
+RECALL_EVERY = 15  # keeper rounds between two calls to the run's coordinators (and republishing the denylist)
+# Seconds between two reads of the portal's signed denylist: a ban reaches peers while no coordinator is up.
+PORTAL_INTERVAL = 5.0
 # A handler refuses an unknown caller only after giving the keeper this long to learn a newcomer's token.
 NEWCOMER_GRACE = 6.0
 DHT_HANDLERS = "DHTProtocol."  # guarded by RunAuthorizer, which sees the token inside each request
@@ -211,13 +213,16 @@ class AdmissionKeeper(threading.Thread):
     :param refresh: returns a new ``PeerToken`` (asks the portal, or signs locally on the coordinator); raises
         with a reason in words when the run refuses
     :param stop: set when the run refuses this peer (``failure`` says why), so training ends
+    :param portal_denylist: returns the run's signed denylist as the portal has it (``contract.SignedDenylist``
+        fields), raising ``WorkerError`` when the portal cannot be reached
     :param interval: seconds between two reads of the DHT's tokens and denylist: a newcomer's all-reduce parts
         wait that long at most for admission, and hivemind's round fails if they wait too long
     """
 
     def __init__(self, dht, run_id: str, state: AdmissionState, check: TokenCheck, signature,
                  refresh: Callable[[], PeerToken], stop: threading.Event, interval: float = 1.0,
-                 coordinators: Optional[Callable[[], list[str]]] = None):
+                 coordinators: Optional[Callable[[], list[str]]] = None,
+                 portal_denylist: Optional[Callable[[], dict]] = None, say: Optional[Callable[[str], None]] = None):
         super().__init__(name="dedloc-admission", daemon=True)
         self.dht, self.run_id, self.state, self.check, self.signature = dht, run_id, state, check, signature
         self.refresh, self.stop, self.interval = refresh, stop, interval
@@ -226,16 +231,22 @@ class AdmissionKeeper(threading.Thread):
         self.ready = threading.Event()  # set once this peer's token is published and the admitted set written
         # Every RECALL_EVERY rounds, call the run's coordinators: one that restarted is in nobody's routing table.
         self.coordinators, self.rounds = coordinators, 0
-        self.token, self.issued = state.read_token(), time.time()
+        from .renewal import TokenRenewal
+
+        self.say = say or (lambda line: print(line, flush=True))
+        self.token = state.read_token()
+        self.renewal = TokenRenewal(time.time(), parse_expiration(self.token.expiration_time), self.say)
+        # The newest authentic denylist seen (records.DenylistRecord): in force until a newer one replaces it.
+        self.denylist, self.portal_denylist, self.portal_asked = None, portal_denylist, -PORTAL_INTERVAL
 
     def run(self) -> None:
-        from .records import publish_token, read_denylist, read_tokens
+        from .records import publish_token, read_tokens
 
         while not self.halted.is_set():
             try:
                 self._refresh_if_needed()
                 publish_token(self.dht, self.run_id, self.signature, self.token)
-                denied = read_denylist(self.dht, self.run_id, self.check)
+                denied = self._current_denylist()
                 if self.token.username in denied:
                     raise Refused(f"{self.token.username} was banned from this run by its organizers")
                 tokens = read_tokens(self.dht, self.run_id)
@@ -243,9 +254,7 @@ class AdmissionKeeper(threading.Thread):
                 self.ready.set()
                 self.rounds += 1
                 if self.coordinators is not None and self.rounds % RECALL_EVERY == 0:
-                    from .swarm import reach_peers
-
-                    self.dht.run_coroutine(functools.partial(reach_peers, addrs=self.coordinators()))
+                    self._recall_coordinators()
             except Refused as e:
                 self.failure = str(e)
                 self.stop.set()
@@ -261,20 +270,61 @@ class AdmissionKeeper(threading.Thread):
         self.join(timeout=timeout)
 
     def _refresh_if_needed(self) -> None:
-        """Ask for a new token once half of the current one's life has passed."""
-        expires = parse_expiration(self.token.expiration_time)
-        if time.time() < self.issued + (expires - self.issued) / 2:
+        """Ask for a new token at half-life; while the portal cannot be reached, train on and ask again later
+        (``renewal.TokenRenewal``): only an expired token, or the run's refusal, stops this peer."""
+        from .errors import AdmissionError
+
+        now = time.time()
+        if not self.renewal.due(now):
             return
         try:
-            self.token = to_access_token(self.refresh())
-        except Refused:
-            raise
-        except Exception as e:
-            if time.time() >= expires:
+            token = to_access_token(self.refresh())
+        except (Refused, AdmissionError) as e:  # the run said no: a ban, a revoked sign-in
+            raise Refused(str(e)) from e
+        except Exception as e:  # the portal unreachable or failing
+            if not self.renewal.failed(e, now):
                 raise Refused(f"this peer's token expired and no new one could be had ({e})") from e
-            raise
-        self.issued = time.time()
+            return
+        self.token = token
+        self.renewal.renewed(time.time(), parse_expiration(token.expiration_time))
         self.state.write_token(self.token)
+
+    def _current_denylist(self) -> list[str]:
+        """Banned usernames from the newest authentic denylist seen: in the DHT (the coordinator's, or a peer's
+        copy), from the portal (every ``PORTAL_INTERVAL`` seconds), or kept from before. It stays in force while its
+        sources are quiet, and this peer republishes it under its own key, so it outlives a coordinator's outage
+        and newcomers learn it (docs/architecture.md#outages)."""
+        from .errors import WorkerError
+        from .records import authentic_denylist, newest_denylist, publish_denylist
+
+        in_dht = newest_denylist(self.dht, self.run_id, self.check)
+        found = [self.denylist, in_dht]
+        if self.portal_denylist is not None and time.monotonic() - self.portal_asked >= PORTAL_INTERVAL:
+            self.portal_asked = time.monotonic()
+            try:
+                found.append(authentic_denylist(self.portal_denylist(), self.check))
+            except WorkerError:
+                pass  # the portal down: what the DHT and this peer hold stays in force
+        newest = max((d for d in found if d is not None), key=lambda d: d.issued_at, default=None)
+        if newest is None:
+            return []
+        if self.denylist is not None and newest.issued_at > self.denylist.issued_at:
+            for name in sorted(set(newest.usernames) - set(self.denylist.usernames) - {self.token.username}):
+                self.say(f"{name} was banned from this run by its organizers: refused from now on")
+        self.denylist = newest
+        if in_dht is None or in_dht.issued_at < newest.issued_at or self.rounds % RECALL_EVERY == 0:
+            publish_denylist(self.dht, self.run_id, self.signature, newest.dict())
+        return list(newest.usernames)
+
+    def _recall_coordinators(self) -> None:
+        from .errors import WorkerError
+        from .swarm import reach_peers
+
+        try:
+            addrs = self.coordinators()
+        except WorkerError:
+            return  # the portal down: the coordinators are called again next time
+        self.dht.run_coroutine(functools.partial(reach_peers, addrs=addrs))
 
 
 def admitted_peers(tokens: list[AccessToken], check: TokenCheck, denied: frozenset) -> dict[str, float]:

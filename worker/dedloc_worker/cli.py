@@ -25,7 +25,10 @@ def build_parser() -> argparse.ArgumentParser:
     join.add_argument("--run", required=True, help="the run's slug, as shown on its join page")
     join.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", help="multiaddr to accept peers on")
     role = join.add_mutually_exclusive_group()
-    role.add_argument("--client", action="store_true", help="behind NAT: do not accept incoming connections")
+    # None (the default): decided at join by the portal's dial-back; --client / --no-client force it.
+    role.add_argument("--client", action=argparse.BooleanOptionalAction, default=None,
+                      help="accept no incoming connections (--client) or insist on accepting them (--no-client); "
+                           "by default the portal dials this machine back at join and decides")
     role.add_argument("--aux", action="store_true",
                       help="auxiliary peer: train nothing, only aggregate (a CPU machine with a good link)")
     join.add_argument("--max-epochs", type=int, help="leave once the collaboration reaches this epoch")

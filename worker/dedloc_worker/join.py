@@ -54,7 +54,7 @@ def _join(args, stop, folder: Path, placement):
     from .claims import ClaimKeeper, ClaimOutbox
     from .identity import PeerIdentity
     from .planning import PlanFollower, link_report
-    from .portal import RunWatch, fetch_join_info, measure_link, request_peer_token, wait_for_peers
+    from .portal import RunWatch, fetch_denylist, fetch_join_info, measure_link, request_peer_token, wait_for_peers
     from .progress import ProgressDisplay
     from .receipts import ReceiptLog, note_own_rounds
     from .records import add_record_validators, use_outbox
@@ -67,7 +67,7 @@ def _join(args, stop, folder: Path, placement):
     credential = obtain_credential(args.portal)
     identity = PeerIdentity(folder)
     refresh = lambda: request_peer_token(args.portal, args.run, credential, identity.public_key)  # noqa: E731
-    grant = refresh()
+    grant, granted_at = refresh(), time.monotonic()
     deadline = time.monotonic() + args.wait
     config, username = grant.join.config, grant.token.username
     # The task first: a run this worker cannot train fails in one line before any wait for peers.
@@ -76,14 +76,15 @@ def _join(args, stop, folder: Path, placement):
     if hasattr(task, "to"):
         task.to(placement.device, placement.amp)
     info = grant.join if grant.join.initial_peers else wait_for_peers(args.portal, args.run, args.wait)
+    if time.monotonic() - granted_at > grant.lifetime_seconds / 2:  # a long wait for a coordinator: a fresh token
+        grant = refresh()
     role = " as an auxiliary peer" if args.aux else ""
     print(f"joining run {config.slug!r} as {username}{role}: task {config.task}, "
           f"global batch {config.target_batch_size} samples, on {placement.description}", flush=True)
     measured = measure_link(args.portal, args.run, credential)
-    link = link_report(measured, task.model.parameters(), args.client, args.aux)
     if measured:
-        print(f"link to the portal: {8 * link.upload_bps / 1e6:,.0f} Mbit/s up, "
-              f"{8 * link.download_bps / 1e6:,.0f} Mbit/s down", flush=True)
+        print(f"link to the portal: {8 * measured[0] / 1e6:,.0f} Mbit/s up, "
+              f"{8 * measured[1] / 1e6:,.0f} Mbit/s down", flush=True)
 
     state, check = AdmissionState(folder), TokenCheck(grant.authority_public_key)
     state.write_token(to_access_token(grant.token))
@@ -91,7 +92,12 @@ def _join(args, stop, folder: Path, placement):
     guard_handlers(state, receipts)  # before any hivemind process forks
     note_own_rounds(receipts)
     authorizer = RunAuthorizer(check, state, identity.private_key)
-    dht = join_swarm(args, info, deadline, identity.identity_path, authorizer)
+    dht = join_swarm(args, info, deadline, identity.identity_path, authorizer, client_mode=bool(args.client))
+    client_mode, reachability = decide_mode(args, dht, credential)
+    if client_mode and not args.client:  # an address nobody can dial would slow every round it is planned into
+        dht.shutdown()
+        dht = join_swarm(args, info, deadline, identity.identity_path, authorizer, client_mode=True)
+    link = link_report(measured, task.model.parameters(), client_mode, args.aux)
     keeper = follower = watch = claims = signature = None
     try:
         signature = add_record_validators(dht, config.run_id, identity.private_key)
@@ -101,8 +107,10 @@ def _join(args, stop, folder: Path, placement):
         claims = ClaimKeeper(dht, config.run_id, signature, check, outbox)
         claims.start()
         coordinators = lambda: fetch_join_info(args.portal, args.run).initial_peers  # noqa: E731
+        # A ban reaches this peer from the portal too: while no coordinator is up, nobody publishes it in the DHT.
+        denylist = lambda: fetch_denylist(args.portal, args.run, credential).model_dump()  # noqa: E731
         keeper = AdmissionKeeper(dht, config.run_id, state, check, signature, lambda: refresh().token, stop,
-                                 coordinators=coordinators)
+                                 coordinators=coordinators, portal_denylist=denylist)
         keeper.start()
         # Peers must know our token before our first all-reduce part reaches them, and we theirs.
         keeper.ready.wait(timeout=15)
@@ -116,9 +124,9 @@ def _join(args, stop, folder: Path, placement):
         watch.start()
         resume = resume_state(args.portal, dht, config, info.checkpoint, folder) if not args.aux else None
         with ProgressDisplay() as display:
-            result = train(dht, config, task, username, stop, signature, args.max_epochs, args.client,
+            result = train(dht, config, task, username, stop, signature, args.max_epochs, client_mode,
                            display.update, receipts, follower, args.aux, hardware=placement.description,
-                           watch=watch, resume=resume)
+                           watch=watch, resume=resume, reachability=reachability)
         if keeper.failure:
             raise AdmissionError(keeper.failure)
         result.username, result.peer_id = username, identity.peer_id
@@ -136,7 +144,7 @@ def _join(args, stop, folder: Path, placement):
         dht.shutdown()
 
 
-def join_swarm(args, info, deadline: float, identity_path: Path, authorizer):
+def join_swarm(args, info, deadline: float, identity_path: Path, authorizer, client_mode: bool = False):
     """Start the DHT node; while the run's peers are unreachable (a coordinator restarting), ask the portal
     again until ``deadline``."""
     from hivemind.p2p import P2PDaemonError
@@ -146,13 +154,42 @@ def join_swarm(args, info, deadline: float, identity_path: Path, authorizer):
 
     while True:
         try:
-            return create_dht(info.initial_peers, args.listen, args.client, str(identity_path), authorizer)
-        except P2PDaemonError as e:
+            return create_dht(info.initial_peers, args.listen, client_mode, str(identity_path), authorizer)
+        except (P2PDaemonError, RuntimeError) as e:
+            # hivemind raises RuntimeError when no initial peer answered its bootstrap ping (a busy coordinator)
+            if not isinstance(e, P2PDaemonError) and "bootstrap failed" not in str(e):
+                raise
             if time.monotonic() > deadline:
                 raise SwarmError(f"cannot reach any peer of run {args.run!r} ({e}); retry in a minute") from None
             print("the run's coordinator is unreachable; asking the portal again...", flush=True)
             time.sleep(2.0)
             info = wait_for_peers(args.portal, args.run, max(deadline - time.monotonic(), 1.0))
+
+
+def decide_mode(args, dht, credential: str) -> tuple[bool, str]:
+    """(client mode, ``contract.REACHABILITY``): as forced by --client / --no-client (or --aux, which must accept
+    connections), else by the portal's dial-back of this node's addresses; one line says which, and why."""
+    from .portal import check_reachability
+
+    say = lambda line: print(line, flush=True)  # noqa: E731
+    if args.client:
+        say("client mode, as asked (--client): this peer sends its gradients to others and aggregates none")
+        return True, "client"
+    if args.client is False or args.aux:
+        return False, ""
+    report = check_reachability(args.portal, args.run, credential, [str(a) for a in dht.get_visible_maddrs()])
+    if report is None:
+        say("reachability: the portal could not dial this machine back; staying a full peer (--client forces "
+            "client mode)")
+        return False, ""
+    if report.reachable:
+        answered = next(check for check in report.checks if check.reachable)
+        say(f"reachable: peers can connect to this machine ({answered.dialed}: {answered.reason}); a full peer")
+        return False, "reachable"
+    why = report.checks[0].reason if report.checks else "no address to dial"
+    say(f"unreachable from outside ({why}); switching to client mode: this peer sends its gradients to others "
+        "and aggregates none")
+    return True, "unreachable"
 
 
 def ended(config) -> None:

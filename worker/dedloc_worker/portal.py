@@ -9,7 +9,8 @@ import time
 import httpx
 import pydantic
 
-from dedloc_common.contract import API_PREFIX, JoinInfo, PeerTokenGrant, PeerTokenRequest
+from dedloc_common.contract import (API_PREFIX, JoinInfo, PeerTokenGrant, PeerTokenRequest, ReachabilityReport,
+                                   SignedDenylist)
 from .errors import AdmissionError, ConfigError, PortalError, WorkerError
 
 
@@ -81,6 +82,19 @@ def request_peer_token(portal_url: str, slug: str, credential: str, public_key: 
     return PeerTokenGrant.model_validate_json(response.content)
 
 
+def fetch_denylist(portal_url: str, slug: str, credential: str,
+                   transport: httpx.BaseTransport | None = None) -> SignedDenylist:
+    """The run's denylist as the portal signs it now; ``PortalError`` when it cannot be had."""
+    url = f"{portal_url.rstrip('/')}{API_PREFIX}/runs/{slug}/denylist"
+    try:
+        with httpx.Client(transport=transport, timeout=10) as client:
+            response = client.get(url, headers={"Authorization": f"Bearer {credential}"})
+        response.raise_for_status()
+        return SignedDenylist.model_validate_json(response.content)
+    except (httpx.HTTPError, pydantic.ValidationError) as e:
+        raise PortalError(f"cannot read run {slug!r}'s denylist from the portal ({e})") from None
+
+
 def _reason(response: httpx.Response) -> str:
     try:
         return str(response.json()["detail"])
@@ -108,6 +122,19 @@ def measure_link(portal_url: str, slug: str, credential: str, size: int = 4 * 10
     except httpx.HTTPError:
         return None
     return upload, download
+
+
+def check_reachability(portal_url: str, slug: str, credential: str, addrs: list[str],
+                       transport: httpx.BaseTransport | None = None) -> ReachabilityReport | None:
+    """The portal's dial-back of ``addrs`` (can peers connect to this machine?); None when it cannot tell."""
+    url = f"{portal_url.rstrip('/')}{API_PREFIX}/runs/{slug}/reachability"
+    try:
+        with httpx.Client(transport=transport, timeout=30) as client:
+            response = client.post(url, json={"addrs": addrs[:16]}, headers={"Authorization": f"Bearer {credential}"})
+        response.raise_for_status()
+        return ReachabilityReport.model_validate_json(response.content)
+    except (httpx.HTTPError, pydantic.ValidationError):
+        return None
 
 
 class RunWatch(threading.Thread):

@@ -181,9 +181,25 @@ def publish_denylist(dht: DHT, run_id: str, signature: RSASignatureValidator, de
 
 def read_denylist(dht: DHT, run_id: str, check) -> List[str]:
     """Banned usernames from the newest denylist signed by the run's authority ([] when none)."""
-    newest = _newest_authentic(dht, denylist_key(run_id), DenylistRecord, check,
-                               lambda record: denylist_payload(record.usernames, record.issued_at))
+    newest = newest_denylist(dht, run_id, check)
     return list(newest.usernames) if newest else []
+
+
+def newest_denylist(dht: DHT, run_id: str, check) -> Optional[DenylistRecord]:
+    """The newest denylist in the DHT signed by the run's authority, whoever stored it (None when none)."""
+    return _newest_authentic(dht, denylist_key(run_id), DenylistRecord, check, _denylist_payload)
+
+
+def authentic_denylist(values: dict, check) -> Optional[DenylistRecord]:
+    """A denylist from elsewhere (the portal), if the run's authority signed it."""
+    from dedloc_common.signing import verify
+
+    record = DenylistRecord.parse_obj(values)
+    return record if verify(check.authority, _denylist_payload(record), record.signature) else None
+
+
+def _denylist_payload(record: DenylistRecord) -> bytes:
+    return denylist_payload(record.usernames, record.issued_at)
 
 
 def publish_plan(dht: DHT, run_id: str, signature: RSASignatureValidator, plan: PlanRecord) -> bool:

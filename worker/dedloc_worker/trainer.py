@@ -92,6 +92,7 @@ def train(
     hardware: str = "",
     watch=None,
     resume: Optional[dict] = None,
+    reachability: str = "",
 ) -> TrainingResult:
     """Train until ``stop`` is set or the collaboration reaches ``max_epochs``; always leaves the swarm.
 
@@ -102,6 +103,7 @@ def train(
     :param hardware: where it trains, in words (``device.Placement.description``)
     :param watch: a ``portal.RunWatch``: the run's state (paused, finished) as the portal says it now
     :param resume: a checkpoint's training state to start from (``checkpoints.read_state``)
+    :param reachability: how this peer's mode was decided (``contract.REACHABILITY``), for its metrics record
     :returns: this peer's contributions (samples per epoch it took part in) and its final parameters
     """
     addrs = [] if client_mode else [str(addr) for addr in dht.get_visible_maddrs()]
@@ -144,7 +146,7 @@ def train(
                 contributions.append(contribution)
                 every_contribution.append(contribution)
                 link = follower.after_epoch(opt.grad_averager) if follower else None
-                record = metrics_record(username, opt, contributions, addrs, hardware, link)
+                record = metrics_record(username, opt, contributions, addrs, hardware, link, reachability)
                 publish_metrics(dht, config.run_id, signature, record)
             if tally.epoch != opt.local_epoch:
                 tally = open_epoch(task, config, peer_key, opt.local_epoch)  # or state reloaded: samples dropped
@@ -232,7 +234,7 @@ def describe_hardware() -> str:
 
 
 def metrics_record(username: str, opt, contributions, addrs: List[str], hardware: str = "",
-                   link: Optional[LinkReport] = None) -> MetricsRecord:
+                   link: Optional[LinkReport] = None, reachability: str = "") -> MetricsRecord:
     from hivemind.utils import get_dht_time
 
     return MetricsRecord(
@@ -244,6 +246,7 @@ def metrics_record(username: str, opt, contributions, addrs: List[str], hardware
         addrs=addrs,
         hardware=hardware,
         link=link,
+        reachability=reachability,
     )
 
 
