@@ -4,6 +4,8 @@ swarm where a worker sending sign-flipped gradients is held by the coordinator's
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
 import random
 
@@ -21,6 +23,7 @@ from app.core.database import make_engine, make_sessionmaker
 from app.credit.settlement import credit_epochs
 from app.credit.spot_checks import MIN_COSINE, Verdict, judge, record_check, summary
 from app.models import Contribution, SpotCheck
+from app.runs import registry
 from app.web.main import create_app
 from tests.support.actors import FLIPPER
 from tests.support.credit import Peer, aged_run, claim, totals
@@ -154,12 +157,32 @@ def test_a_failed_check_holds_every_claim_of_that_peer_with_the_evidence(session
         assert (found.checked, found.passed, [f.username for f in found.failures]) == (2, 1, ["mallory"])
 
 
-def organize_page(database_url: str, slug: str) -> str:
+@contextlib.contextmanager
+def organizer(database_url: str):
+    """A browser session of olivia, an organizer, on a portal over the deployment's database."""
     app = create_app(Settings(database_url=database_url, organizers=["olivia"]))
     with TestClient(app) as olivia:
         page = olivia.get("/signin")
         olivia.post("/signin/dev", data={"username": "olivia", "csrf": form_token(page.text)})
-        return olivia.get(f"/runs/{slug}/organize").text
+        yield olivia
+
+
+def set_spot_check_rate(deployment, rate: float) -> None:
+    """What an organizer does on the organize page: the run's checkpoint options with a new spot-check rate."""
+    from app.web.organize import run_values
+
+    engine = make_engine(deployment.database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            run = registry.get_run(session, deployment.slug)
+            values = {**run_values(run), "checkpoints": json.dumps({**run.checkpoints, "spot_check_rate": rate})}
+    finally:
+        engine.dispose()
+    with organizer(deployment.database_url) as olivia:
+        page = olivia.get(f"/runs/{deployment.slug}/organize").text
+        done = olivia.post(f"/runs/{deployment.slug}/organize/settings", data={**values, "csrf": form_token(page)},
+                           follow_redirects=False)
+        assert done.status_code == 303, done.text
 
 
 def spot_checks_of(deployment) -> dict[str, list[SpotCheck]]:
@@ -177,22 +200,24 @@ def spot_checks_of(deployment) -> dict[str, list[SpotCheck]]:
 
 @pytest.mark.swarm
 def test_a_worker_sending_flipped_gradients_is_held_by_a_spot_check_and_an_honest_one_passes(deployment):
-    """One swarm, every claim drawn for a check: mallory's worker sends sign-flipped gradients (sketched as sent);
-    the coordinator recomputes her gradient on her own data, holds her credit with the evidence and shows it to
-    organizers. alice, honest, in the same rounds, passes every check (the control: the same checks ran on her)."""
-    deployment.create_run(target_batch_size=1024, checkpoints={"spot_check_rate": 1.0})
+    """One swarm: mallory's worker sends sign-flipped gradients (sketched as sent). Once she trains, an organizer
+    has every claim drawn for a check; the coordinator recomputes her gradient on her own data, holds her credit with
+    the evidence and shows it to organizers. alice, honest, in the same rounds, passes every check (the control:
+    the same checks ran on her)."""
+    # no checks while mallory joins: a state download every epoch slows alice's answer to mallory's own download
+    deployment.create_run(target_batch_size=1024, checkpoints={"spot_check_rate": 0.0})
     deployment.start_portal()
     deployment.start_coordinator()
     deployment.wait_for_coordinator()
     deployment.start_worker("alice")
     wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")
     deployment.start_worker("mallory", script=[str(FLIPPER)])
+    wait_for(lambda: "mallory" in deployment.credited_by_user(), 90, "mallory to train", interval=1.0)
+    set_spot_check_rate(deployment, 1.0)
 
-    def both_checked():  # alice checked twice, once at least while mallory was in the swarm
+    def both_checked():  # every check ran while both trained
         checks = spot_checks_of(deployment)
-        if not checks.get("mallory") or len(checks.get("alice", [])) < 2:
-            return None
-        return checks if checks["alice"][-1].epoch >= checks["mallory"][0].epoch else None
+        return checks if checks.get("mallory") and len(checks.get("alice", [])) >= 2 else None
 
     checks = wait_for(both_checked, 90, "spot checks of both workers", interval=1.0)
     assert [c.passed for c in checks["alice"]] == [True] * len(checks["alice"]), [c.evidence for c in checks["alice"]]
@@ -206,5 +231,6 @@ def test_a_worker_sending_flipped_gradients_is_held_by_a_spot_check_and_an_hones
     held = deployment.held_reasons()
     assert all(r.startswith("held: this peer failed a spot check at epoch") for r in held["mallory"])
     assert not any("spot check" in r for r in held.get("alice", []))
-    page = organize_page(deployment.database_url, deployment.slug)
+    with organizer(deployment.database_url) as olivia:
+        page = olivia.get(f"/runs/{deployment.slug}/organize").text
     assert "failed a spot check" in page and f"cosine {checks['mallory'][0].cosine:+.2f}" in page
