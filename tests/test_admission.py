@@ -152,7 +152,8 @@ def test_admission_policy_bans_and_limits(run, tmp_path):
 def test_an_expired_token_with_the_portal_unreachable_stops_the_worker_with_words(tmp_path):
     import threading
 
-    from dedloc_worker.admission import AdmissionKeeper, Refused
+    from dedloc_worker.admission import Refused
+    from dedloc_worker.keeper import AdmissionKeeper
     from dedloc_worker.errors import PortalError
 
     authority, peer = new_private_key(), RSAPrivateKey()

@@ -84,6 +84,12 @@ def test_status_follows_coordinators_up_stopped_and_crashed(client, sessions):
     assert ">up<" in client.get("/runs/demo").text
 
 
+def test_the_join_page_says_how_reachability_is_decided(client):
+    page = client.get("/runs/demo/join").text
+    assert 'id="reachability"' in page and "asks the portal to dial it back" in page
+    assert "--no-client" in page and "status" in page
+
+
 def test_status_of_an_unknown_run_is_a_404(client):
     response = client.get("/api/v1/runs/nope/status")
     assert response.status_code == 404 and "nope" in response.text

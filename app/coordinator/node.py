@@ -14,8 +14,8 @@ import hivemind
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from dedloc_common.cleanup import end_descendants
-from dedloc_worker.admission import (AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, guard_handlers,
-                                    to_access_token)
+from dedloc_worker.admission import AdmissionState, RunAuthorizer, TokenCheck, guard_handlers, to_access_token
+from dedloc_worker.keeper import AdmissionKeeper
 from dedloc_worker.errors import WorkerError
 from dedloc_worker.identity import persistent_key
 from dedloc_common.contract import AckRecord

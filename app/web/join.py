@@ -5,9 +5,10 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import FileResponse, HTMLResponse, Response
 
+from app.credit import volunteers
 from app.runs import distribution
 from app.web.identity import OptionalUser
-from app.web.deps import RunDep
+from app.web.deps import RunDep, SessionDep
 
 router = APIRouter(include_in_schema=False)
 
@@ -17,10 +18,12 @@ def portal_url(request: Request) -> str:
 
 
 @router.get("/runs/{slug}/join", response_class=HTMLResponse)
-def join_page(request: Request, run: RunDep, user: OptionalUser):
+def join_page(request: Request, run: RunDep, user: OptionalUser, session: SessionDep):
     url = portal_url(request)
+    # The signed-in volunteer's own peers in this run: how the dial-back decided each one's mode.
+    peers = [p for p in volunteers.own_peers(session, user.username) if p.run == run.slug] if user else []
     return request.app.state.templates.TemplateResponse(request, "join.html", {
-        "run": run, "user": user,
+        "run": run, "user": user, "peers": peers,
         "install_line": distribution.install_line(url), "join_line": distribution.join_line(url, run.slug),
     })
 

@@ -7,7 +7,7 @@ download are open to any libp2p peer that knows one address (docs/hivemind.md#au
   authority, unexpired, and not of a banned user.
 - ``guard_handlers`` wraps every *other* handler registered on a libp2p node of this process and its children
   (the averagers run in forked processes): the caller's authenticated PeerID must belong to a valid token.
-- Which PeerIDs hold valid tokens is decided locally, by the ``AdmissionKeeper`` thread of the main process: it
+- Which PeerIDs hold valid tokens is decided locally, by the ``keeper.AdmissionKeeper`` thread of the main process: it
   reads the tokens every peer publishes in the DHT and the coordinator's signed denylist, verifies them with the
   authority's public key, and writes the verdict into a file the child processes read. No call to the portal
   per RPC.
@@ -18,10 +18,8 @@ names, ``TokenAuthorizerBase``) are pinned by tests/test_admission.py.
 
 from __future__ import annotations
 
-import functools
 import json
 import os
-import threading
 import time
 from datetime import datetime, timezone
 from functools import wraps
@@ -36,9 +34,6 @@ from hivemind.utils.timed_storage import get_dht_time
 from dedloc_common.contract import PeerToken, token_payload
 from dedloc_common.signing import load_public_openssh, peer_id_of, verify
 
-RECALL_EVERY = 15  # keeper rounds between two calls to the run's coordinators (and republishing the denylist)
-# Seconds between two reads of the portal's signed denylist: a ban reaches peers while no coordinator is up.
-PORTAL_INTERVAL = 5.0
 # A handler refuses an unknown caller only after giving the keeper this long to learn a newcomer's token.
 NEWCOMER_GRACE = 6.0
 DHT_HANDLERS = "DHTProtocol."  # guarded by RunAuthorizer, which sees the token inside each request
@@ -205,126 +200,6 @@ async def _noting_weight(parts, sender: str, receipts):
             receipts.note_part(part.group_id, sender, part.weight)
             first = False
         yield part
-
-
-class AdmissionKeeper(threading.Thread):
-    """Main-process thread: keeps this peer's token fresh and the admitted set current.
-
-    :param refresh: returns a new ``PeerToken`` (asks the portal, or signs locally on the coordinator); raises
-        with a reason in words when the run refuses
-    :param stop: set when the run refuses this peer (``failure`` says why), so training ends
-    :param portal_denylist: returns the run's signed denylist as the portal has it (``contract.SignedDenylist``
-        fields), raising ``WorkerError`` when the portal cannot be reached
-    :param interval: seconds between two reads of the DHT's tokens and denylist: a newcomer's all-reduce parts
-        wait that long at most for admission, and hivemind's round fails if they wait too long
-    """
-
-    def __init__(self, dht, run_id: str, state: AdmissionState, check: TokenCheck, signature,
-                 refresh: Callable[[], PeerToken], stop: threading.Event, interval: float = 1.0,
-                 coordinators: Optional[Callable[[], list[str]]] = None,
-                 portal_denylist: Optional[Callable[[], dict]] = None, say: Optional[Callable[[str], None]] = None):
-        super().__init__(name="dedloc-admission", daemon=True)
-        self.dht, self.run_id, self.state, self.check, self.signature = dht, run_id, state, check, signature
-        self.refresh, self.stop, self.interval = refresh, stop, interval
-        self.failure: Optional[str] = None
-        self.halted = threading.Event()
-        self.ready = threading.Event()  # set once this peer's token is published and the admitted set written
-        # Every RECALL_EVERY rounds, call the run's coordinators: one that restarted is in nobody's routing table.
-        self.coordinators, self.rounds = coordinators, 0
-        from .renewal import TokenRenewal
-
-        self.say = say or (lambda line: print(line, flush=True))
-        self.token = state.read_token()
-        self.renewal = TokenRenewal(time.time(), parse_expiration(self.token.expiration_time), self.say)
-        # The newest authentic denylist seen (records.DenylistRecord): in force until a newer one replaces it.
-        self.denylist, self.portal_denylist, self.portal_asked = None, portal_denylist, -PORTAL_INTERVAL
-
-    def run(self) -> None:
-        from .records import publish_token, read_tokens
-
-        while not self.halted.is_set():
-            try:
-                self._refresh_if_needed()
-                publish_token(self.dht, self.run_id, self.signature, self.token)
-                denied = self._current_denylist()
-                if self.token.username in denied:
-                    raise Refused(f"{self.token.username} was banned from this run by its organizers")
-                tokens = read_tokens(self.dht, self.run_id)
-                self.state.write_admitted(admitted_peers(tokens, self.check, frozenset(denied)), denied)
-                self.ready.set()
-                self.rounds += 1
-                if self.coordinators is not None and self.rounds % RECALL_EVERY == 0:
-                    self._recall_coordinators()
-            except Refused as e:
-                self.failure = str(e)
-                self.stop.set()
-                return
-            except Exception as e:  # the DHT or the portal briefly unavailable: keep what we have, retry
-                if not self.halted.is_set():
-                    print(f"admission: {type(e).__name__}: {e}; retrying", flush=True)
-            self.halted.wait(self.interval)
-
-    def halt(self, timeout: float = 10.0) -> None:
-        """Stop before the DHT shuts down (the thread uses it); wait at most ``timeout`` seconds."""
-        self.halted.set()
-        self.join(timeout=timeout)
-
-    def _refresh_if_needed(self) -> None:
-        """Ask for a new token at half-life; while the portal cannot be reached, train on and ask again later
-        (``renewal.TokenRenewal``): only an expired token, or the run's refusal, stops this peer."""
-        from .errors import AdmissionError
-
-        now = time.time()
-        if not self.renewal.due(now):
-            return
-        try:
-            token = to_access_token(self.refresh())
-        except (Refused, AdmissionError) as e:  # the run said no: a ban, a revoked sign-in
-            raise Refused(str(e)) from e
-        except Exception as e:  # the portal unreachable or failing
-            if not self.renewal.failed(e, now):
-                raise Refused(f"this peer's token expired and no new one could be had ({e})") from e
-            return
-        self.token = token
-        self.renewal.renewed(time.time(), parse_expiration(token.expiration_time))
-        self.state.write_token(self.token)
-
-    def _current_denylist(self) -> list[str]:
-        """Banned usernames from the newest authentic denylist seen: in the DHT (the coordinator's, or a peer's
-        copy), from the portal (every ``PORTAL_INTERVAL`` seconds), or kept from before. It stays in force while its
-        sources are quiet, and this peer republishes it under its own key, so it outlives a coordinator's outage
-        and newcomers learn it (docs/architecture.md#outages)."""
-        from .errors import WorkerError
-        from .records import authentic_denylist, newest_denylist, publish_denylist
-
-        in_dht = newest_denylist(self.dht, self.run_id, self.check)
-        found = [self.denylist, in_dht]
-        if self.portal_denylist is not None and time.monotonic() - self.portal_asked >= PORTAL_INTERVAL:
-            self.portal_asked = time.monotonic()
-            try:
-                found.append(authentic_denylist(self.portal_denylist(), self.check))
-            except WorkerError:
-                pass  # the portal down: what the DHT and this peer hold stays in force
-        newest = max((d for d in found if d is not None), key=lambda d: d.issued_at, default=None)
-        if newest is None:
-            return []
-        if self.denylist is not None and newest.issued_at > self.denylist.issued_at:
-            for name in sorted(set(newest.usernames) - set(self.denylist.usernames) - {self.token.username}):
-                self.say(f"{name} was banned from this run by its organizers: refused from now on")
-        self.denylist = newest
-        if in_dht is None or in_dht.issued_at < newest.issued_at or self.rounds % RECALL_EVERY == 0:
-            publish_denylist(self.dht, self.run_id, self.signature, newest.dict())
-        return list(newest.usernames)
-
-    def _recall_coordinators(self) -> None:
-        from .errors import WorkerError
-        from .swarm import reach_peers
-
-        try:
-            addrs = self.coordinators()
-        except WorkerError:
-            return  # the portal down: the coordinators are called again next time
-        self.dht.run_coroutine(functools.partial(reach_peers, addrs=addrs))
 
 
 def admitted_peers(tokens: list[AccessToken], check: TokenCheck, denied: frozenset) -> dict[str, float]:

@@ -50,7 +50,8 @@ def run_join(args, stop: threading.Event):
 def _join(args, stop, folder: Path, placement):
     from dedloc_common.tasks import run_files
 
-    from .admission import AdmissionKeeper, AdmissionState, RunAuthorizer, TokenCheck, guard_handlers, to_access_token
+    from .admission import AdmissionState, RunAuthorizer, TokenCheck, guard_handlers, to_access_token
+    from .keeper import AdmissionKeeper
     from .claims import ClaimKeeper, ClaimOutbox
     from .identity import PeerIdentity
     from .planning import PlanFollower, link_report
@@ -177,7 +178,10 @@ def decide_mode(args, dht, credential: str) -> tuple[bool, str]:
         return True, "client"
     if args.client is False or args.aux:
         return False, ""
-    report = check_reachability(args.portal, args.run, credential, [str(a) for a in dht.get_visible_maddrs()])
+    addrs = [str(addr) for addr in dht.get_visible_maddrs()]
+    # Loopback addresses say nothing about outsiders (unless this machine has no other, as in a local demo).
+    outside = [addr for addr in addrs if not addr.startswith(("/ip4/127.", "/ip6/::1/"))]
+    report = check_reachability(args.portal, args.run, credential, outside or addrs)
     if report is None:
         say("reachability: the portal could not dial this machine back; staying a full peer (--client forces "
             "client mode)")

@@ -57,6 +57,10 @@ async def reach_peers(_dht, node, addrs: Sequence[str]) -> int:
             reached += await node.protocol.call_ping(peer_id) is not None
         except Exception:  # an address gone stale: the next one may answer
             continue
+    if reached:
+        # The network is back: forget who failed to answer during the outage. hivemind skips a peer that failed
+        # for ever longer (5 s, doubled per failure), so after half a minute offline it would skip them for minutes.
+        node.blacklist.clear()
     return reached
 
 
