@@ -37,6 +37,11 @@ class ExpectedEvents(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], GeneratorExit):
             return False  # a DHT coroutine closed because its caller stopped waiting: nothing failed
+        if record.exc_info and isinstance(record.exc_info[1], PermissionError):  # admission.Refused: doing its job
+            record.msg, record.args = f"refused a call: {record.exc_info[1]}", ()
+            record.exc_info = record.exc_text = record.stack_info = None
+            record.levelno, record.levelname = logging.WARNING, "WARN"
+            return True
         message = record.getMessage()
         for pattern, line in EXPECTED:
             match = pattern.search(message)
