@@ -48,15 +48,22 @@ from app.core.clock import as_utc, utcnow
 from app.models import Contribution, Dispute, IssuedPeerToken, Peer, Receipt, Run, Snapshot
 
 
-def _insert_ignore(session: Session, model, rows: list[dict], keys: list[str]) -> int:
-    if not rows:
-        return 0
-    dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
-    statement = dialect.insert(model).on_conflict_do_nothing(index_elements=keys).returning(model.id)
-    # executemany: SQLAlchemy batches the rows ("insertmanyvalues") within the drivers' parameter limits
-    # on the connection, not the ORM session: the ORM's bulk path costs ~60 µs a row in Python (1,000 peers' epoch:
-    # 16,000 receipts); Core runs the same batched statement
-    return len(session.connection().execute(statement, rows).all())
+def _insert_new(session: Session, model, rows: dict[tuple, dict], keys: list[str], known: Iterable[tuple]) -> list:
+    """Insert the ``rows`` (by their key values, in ``keys`` order) that are not ``known``; returns their keys.
+    Workers republish every unacknowledged claim each poll, so most rows of a poll are known."""
+    new = [key for key in rows.keys() - set(known)]
+    if new:
+        dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
+        statement = dialect.insert(model).on_conflict_do_nothing(index_elements=keys)  # a concurrent coordinator
+        # On the connection, without RETURNING: the driver's own executemany (psycopg pipelines it). The ORM's bulk
+        # path and SQLAlchemy's multi-row VALUES cost seconds in Python for a 1,000-peer epoch (16,000 receipts).
+        session.connection().execute(statement, [rows[key] for key in new])
+    return new
+
+
+def _chunks(items: list, size: int = 1000):
+    for start in range(0, len(items), size):
+        yield items[start:start + size]
 
 
 def owners(session: Session, run: Run, peer_keys: Iterable[str]) -> dict[str, tuple[str, str]]:
@@ -85,7 +92,7 @@ def credit_epochs(session: Session, run: Run, seen: Sequence[SignedMetrics]) -> 
     """Record new claims and receipts, then settle every claim of the rounds they touch; returns new claims."""
     known = owners(session, run, (item.peer_key for item in seen))
     claims = {
-        (item.peer_key, c.epoch): dict(
+        (run.id, item.peer_key, c.epoch): dict(
             run_id=run.id, peer_key=item.peer_key, epoch=c.epoch,
             username=known.get(item.peer_key, (item.record.username,))[0],
             samples=c.samples, loss_sum=c.loss_sum, mini_steps=c.mini_steps, seconds=c.seconds,
@@ -94,19 +101,30 @@ def credit_epochs(session: Session, run: Run, seen: Sequence[SignedMetrics]) -> 
         for item in seen for c in item.record.recent
     }
     receipts = {
-        (item.peer_key, group, sender): dict(run_id=run.id, aggregator_key=item.peer_key, group_id=group,
+        (run.id, item.peer_key, group, sender): dict(run_id=run.id, aggregator_key=item.peer_key, group_id=group,
                                              epoch=c.epoch, sender_peer_id=sender, weight=float(weight))
         for item in seen for c in item.record.recent
         for group, senders in c.aggregated.items() for sender, weight in senders.items()
     }
     record_peers(session, run, seen, known)
-    new = _insert_ignore(session, Contribution, list(claims.values()), ["run_id", "peer_key", "epoch"])
-    _insert_ignore(session, Receipt, list(receipts.values()), ["run_id", "aggregator_key", "group_id", "sender_peer_id"])
+    claimants = sorted({key for _, key, _ in claims})
+    known_claims = [row for chunk in _chunks(claimants) for row in session.execute(
+        select(Contribution.run_id, Contribution.peer_key, Contribution.epoch).where(
+            Contribution.run_id == run.id, Contribution.peer_key.in_(chunk)))]
+    rounds = sorted({group for _, _, group, _ in receipts})
+    known_receipts = [row for chunk in _chunks(rounds) for row in session.execute(
+        select(Receipt.run_id, Receipt.aggregator_key, Receipt.group_id, Receipt.sender_peer_id).where(
+            Receipt.run_id == run.id, Receipt.group_id.in_(chunk)))]
+    new = _insert_new(session, Contribution, claims, ["run_id", "peer_key", "epoch"], map(tuple, known_claims))
+    new_receipts = _insert_new(session, Receipt, receipts, ["run_id", "aggregator_key", "group_id", "sender_peer_id"],
+                               map(tuple, known_receipts))
     attestations.record(session, run, seen)
-    groups = {row["group_id"] for row in claims.values()} | {group for _, group, _ in receipts}
-    settle(session, run, groups, ungrouped=[key for key, row in claims.items() if not row["group_id"]])
+    # Only rounds with something new are decided again: a decision is a function of the claims and receipts held
+    # (organizers' releases, a new ceiling and failed spot checks settle their own claims).
+    groups = {claims[key]["group_id"] for key in new} | {group for _, _, group, _ in new_receipts}
+    settle(session, run, groups, ungrouped=[key[1:] for key in new if not claims[key]["group_id"]])
     session.commit()
-    return new
+    return len(new)
 
 
 def acknowledgements(session: Session, run: Run, peer_keys: Iterable[str]) -> dict[str, int]:
