@@ -27,8 +27,9 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-# Seconds a caller waits after its token is in the DHT: a few of the victims' admission rounds (1 s each).
-ADMISSION_WAIT = 3.0
+# Seconds a caller waits after its token is in the DHT: a few of the victims' admission rounds (1 s apart, each a
+# few DHT calls and, every 5 s, a request for the portal's denylist); 3 s once left the control refused in a suite.
+ADMISSION_WAIT = 6.0
 
 
 class CarriesAnyToken(TokenAuthorizerBase):
