@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 from app.core.processes import spawn, stop_all
+from bench import write_results
 
 RESULTS = Path("bench/results")
 PEERS = 2
@@ -308,10 +309,7 @@ def main(argv=None) -> int:
                 break
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "curve"}), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(rows))
-    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    write_results(args.out, rows, markdown(rows))
     return 0
 
 

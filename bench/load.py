@@ -40,6 +40,7 @@ from app.runs.registry import get_run
 from app.runs.snapshots import record_snapshot
 from bench.crediting import simulated_epoch
 from tests.support.postgres import postgres_bin, throwaway_postgres
+from bench import write_results
 
 SLUG = "bench"
 WITHIN = 2.0  # seconds from a snapshot to every viewer
@@ -286,9 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="dedloc-load-") as folder, \
             throwaway_postgres(bin_dir, "max_connections=200") as database_url:
         result = measure(args, database_url, Path(folder))
-    args.out.write_text(json.dumps(result, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(result))
-    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    write_results(args.out, result, markdown(result))
     return 0
 
 

@@ -13,7 +13,6 @@ Method and figures: docs/benchmarks.md#robust-aggregation; results: bench/result
 from __future__ import annotations
 
 import argparse
-import json
 import signal
 import statistics
 import tempfile
@@ -27,6 +26,7 @@ from bench.emulate_averaging import (
     PROFILES, VECTOR_BYTES, Profile, Settings, Star, _exit_on_signal, namespaces_unavailable, run_round,
     signals_ignored, start_peers,
 )
+from bench import write_results
 
 DEFAULT_OUT = Path("bench/results/robust_cost.json")
 ROUNDS = 7
@@ -111,9 +111,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         started = time.monotonic()
         rows.append(run_profile(name, PROFILES[name], args.rounds, logs))
         rows[-1]["wall_seconds"] = round(time.monotonic() - started, 1)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(rows))
+    write_results(args.out, rows, markdown(rows))
     print(markdown(rows))
     print(f"wrote {args.out} and {args.out.with_suffix('.md')}; peer logs in {logs}")
     return 0

@@ -33,6 +33,7 @@ import numpy as np
 
 from app.coordinator.planning import CPU_REDUCE_BPS, attestation_floor
 from app.planner import PeerProfile, Plan, StepOptions, plan_step, round_seconds
+from bench import write_results
 
 VECTOR_BYTES = 10**8
 TARGET_BATCH = 2**20  # samples per step: tens of seconds of this swarm's compute, as the round
@@ -154,10 +155,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = [simulate(args.peers, size) for size in GROUP_SIZES]
     for row in rows:
         print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(rows))
-    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    write_results(args.out, rows, markdown(rows))
     return 0
 
 

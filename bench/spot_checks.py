@@ -12,7 +12,6 @@ sum and the sketch. Each figure is the median of ``--repeats`` runs. See docs/sp
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 import time
@@ -21,6 +20,7 @@ from pathlib import Path
 import torch
 
 from dedloc_common.contract import RunConfig
+from bench import write_results
 
 RATE = 0.02  # the default spot_check_rate (dedloc_common.contract.CheckpointOptions)
 
@@ -143,9 +143,7 @@ def main(argv=None) -> int:
     parser.add_argument("--out", type=Path, default=Path("bench/results/spot_checks.json"))
     args = parser.parse_args(argv)
     row = measure(args.mini_steps, args.repeats)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(row, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(row))
+    write_results(args.out, row, markdown(row))
     print(markdown(row))
     return 0
 

@@ -26,6 +26,7 @@ import httpx
 from app.cli.demo import DEMO_TASK, write_corpus
 from app.core.processes import spawn, stop_all
 from dedloc_common.contract import LOOPBACK_OPTIMIZER
+from bench import write_results
 
 RESULTS = Path("bench/results")
 PEERS = 2
@@ -178,10 +179,7 @@ def main(argv=None) -> int:
         row["efficiency"] = round(row["swarm_samples_per_second"] / row["solo_samples_per_second"], 3)
         rows.append(row)
         print(json.dumps(row), flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(rows, indent=2) + "\n")
-    args.out.with_suffix(".md").write_text(markdown(rows))
-    print(f"wrote {args.out} and {args.out.with_suffix('.md')}")
+    write_results(args.out, rows, markdown(rows))
     return 0
 
 
