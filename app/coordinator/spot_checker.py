@@ -27,6 +27,12 @@ logger = logging.getLogger("dedloc.spot_checker")
 CLAIM_WAIT = 600.0  # seconds a pick waits for the claim of its epoch (a peer that left never sends it)
 
 
+def moved_past(record, epoch: int) -> bool:
+    """Whether a peer has claimed a later epoch than ``epoch`` without claiming ``epoch``: claims are published in
+    order, so one for ``epoch`` will not come (the peer downloaded the state and skipped it)."""
+    return any(c.epoch > epoch for c in record.recent)
+
+
 class SpotChecker(threading.Thread):
     """``offer(epoch, training, metrics)`` after each poll; ``shutdown()`` once."""
 
@@ -84,8 +90,8 @@ class SpotChecker(threading.Thread):
             if claim is not None:
                 del self.pending[peer_key]
                 self.check(peer_key, claim)
-            elif time.monotonic() > self.deadline:
-                del self.pending[peer_key]  # it left, or its state was reloaded: that epoch has no claim
+            elif time.monotonic() > self.deadline or (record is not None and moved_past(record, at)):
+                del self.pending[peer_key]  # it left, or reloaded its state and skipped that epoch: no claim comes
 
     def pick(self, epoch: int, training: list[str]) -> None:
         """Draw the peers to check at ``epoch``; for any, download the parameters they compute on."""
