@@ -22,6 +22,7 @@ from tests.support.harness import ROOT, free_port, wait_for
 
 VARIABLE = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)(?:(:?[-?])([^}]*))?\}")
 DEDLOC_SERVICES = ("migrate", "portal", "coordinator")
+HEALTH_CHECKS = {"serve": "portal-health", "coordinator": "coordinator-health"}  # long-running command -> its check
 
 
 def example_env() -> dict[str, str]:
@@ -88,6 +89,32 @@ def test_every_dedloc_service_runs_a_real_command_from_the_right_image(compose, 
     assert services["portal"]["command"][:2] == ["dedloc", "serve"]
 
 
+def health_command(service: dict) -> list[str]:
+    """The health check's command, as Docker runs it (exec form: CMD then the argv)."""
+    test = service.get("healthcheck", {}).get("test")
+    assert test and test[0] == "CMD", f"{test}: not an exec-form health check"
+    return test[1:]
+
+
+def test_every_long_running_dedloc_service_checks_its_health_with_dedloc(compose):
+    services = compose["services"]
+    long_running = [name for name, service in services.items()
+                    if service.get("command", [None])[0] == "dedloc" and service.get("restart") != "no"]
+    assert {"portal", "coordinator"} <= set(long_running)
+    parser = build_parser()
+    for name in long_running:
+        service = services[name]
+        assert "healthcheck" in service, f"{name} runs for good but has no health check"
+        check = health_command(service)
+        assert check[0] == "dedloc", f"{name}'s health check is not a dedloc subcommand: {check}"
+        checked = parser.parse_args(check[1:])  # an unknown subcommand or option exits here
+        served = parser.parse_args(service["command"][1:])
+        assert checked.command == HEALTH_CHECKS.get(served.command), \
+            f"{name} runs `dedloc {served.command}` but checks `dedloc {checked.command}`"
+        if served.command == "coordinator":
+            assert checked.run == served.run, f"{name} serves run {served.run} but checks run {checked.run}"
+
+
 def test_start_order_and_health_checks(compose, dockerfile):
     services = compose["services"]
     assert "pg_isready" in " ".join(services["postgres"]["healthcheck"]["test"])
@@ -101,11 +128,11 @@ def test_start_order_and_health_checks(compose, dockerfile):
     assert services["migrate"]["depends_on"]["postgres"]["condition"] == "service_healthy"
     for name in ("portal", "coordinator"):
         assert services[name]["depends_on"]["migrate"]["condition"] == "service_completed_successfully"
-    # The portal's check asks /healthz on the port it serves, the one the image exposes and the proxy forwards to.
+    # The portal serves (and its check asks, reading DEDLOC_PORT) the port the image exposes and the proxy
+    # forwards to.
     portal = services["portal"]
     port = environment(portal)["DEDLOC_PORT"]
     assert [port] == dockerfile["expose"] == portal["expose"]
-    assert f"127.0.0.1:{port}/healthz" in " ".join(portal["healthcheck"]["test"])
     assert f"portal:{port}" in services["proxy"]["command"]
 
 
@@ -169,11 +196,20 @@ def test_the_portal_health_check_passes_against_dedloc_serve(compose, tmp_path):
                              timeout=120)
     assert migrate.returncode == 0, migrate.stderr
     server = spawn([sys.executable, "-m", "app.cli", *portal["command"][1:]], env=env, log=tmp_path / "portal.log")
+    check = health_command(portal)
+    assert check[0] == "dedloc"
+
+    def health() -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "app.cli", *check[1:]], env={**os.environ, **env},
+                              capture_output=True, text=True, timeout=30)
+
     try:
         wait_for(lambda: httpx.get(f"http://127.0.0.1:{port}/healthz").status_code == 200, 60, "the portal")
-        check = [part.replace(":8000/", f":{port}/") for part in portal["healthcheck"]["test"][1:]]
-        assert check[0] == "python"
-        done = subprocess.run([sys.executable, *check[1:]], capture_output=True, text=True, timeout=30)
+        done = health()
         assert done.returncode == 0, done.stderr
     finally:
         stop(server)
+    down = health()
+    assert down.returncode == 1
+    lines = down.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port}/healthz" in lines[0], down.stderr

@@ -1,5 +1,5 @@
-"""The ``dedloc`` command for operators and organizers: migrate, create-run, serve, coordinator, demo,
-export-stats, ban, unban, set-ceiling.
+"""The ``dedloc`` command for operators and organizers: migrate, create-run, serve, coordinator,
+coordinator-health, portal-health, demo, export-stats, ban, unban, set-ceiling.
 
 Errors end as one line on stderr and the exit code of the error class (``errors.py``).
 """
@@ -79,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
                                   "and offered to joining workers instead of the addresses it listens on; needs "
                                   "--listen with a fixed port")
     coordinator.add_argument("--verbose", action="store_true", help="show hivemind's own messages in full")
+
+    health = commands.add_parser("coordinator-health", help="exit 0 while a coordinator of the run beats (within "
+                                                            "DEDLOC_COORDINATOR_TIMEOUT), else 1 saying why: a "
+                                                            "container health check")
+    health.add_argument("--run", required=True, help="the run's slug")
+    commands.add_parser("portal-health", help="exit 0 when the portal on DEDLOC_PORT here answers /healthz, else 1 "
+                                              "saying why: a container health check")
 
     demo = commands.add_parser("demo", help="portal, coordinator and two local workers, until Ctrl-C")
     demo.add_argument("--workers", type=int, default=2)
@@ -235,6 +242,18 @@ def cmd_coordinator(args, settings: Settings) -> None:
     CoordinatorNode(settings, args.run, args.listen).serve(stop)
 
 
+def cmd_coordinator_health(args, settings: Settings) -> int:
+    from app.cli.health import coordinator_health
+
+    return coordinator_health(settings, args.run)
+
+
+def cmd_portal_health(args, settings: Settings) -> int:
+    from app.cli.health import portal_health
+
+    return portal_health(settings)
+
+
 def cmd_demo(args, settings: Settings) -> None:
     from app.cli.demo import run_demo
 
@@ -251,6 +270,8 @@ COMMANDS = {
     "export-stats": cmd_export_stats,
     "serve": cmd_serve,
     "coordinator": cmd_coordinator,
+    "coordinator-health": cmd_coordinator_health,
+    "portal-health": cmd_portal_health,
     "demo": cmd_demo,
 }
 
