@@ -3,11 +3,13 @@ the real app on a migrated database, as coordinators start, beat, stop and crash
 
 from __future__ import annotations
 
-from datetime import timedelta
+import re
+from datetime import datetime, timedelta
 from importlib.metadata import version
 
 import pytest
 from fastapi.testclient import TestClient
+from dedloc_common.contract import in_utc
 from markupsafe import escape
 
 from app.core.clock import utcnow
@@ -16,6 +18,7 @@ from app.models import Coordinator
 from app.runs import registry
 from app.runs.snapshots import record_snapshot
 from app.web.main import create_app
+from tests.support.browsers import needs_chromium
 
 TIMEOUT = 30.0  # the portal's coordinator timeout, seconds
 
@@ -82,6 +85,52 @@ def test_status_follows_coordinators_up_stopped_and_crashed(client, sessions):
     back = status(client)
     assert back["coordinators_up"] == 1 and back["notice"] is None
     assert ">up<" in client.get("/runs/demo").text
+
+
+def as_of(page: str) -> str | None:
+    """The status section's "as of" time, or None while that line is hidden."""
+    match = re.search(r'<span id="status-as-of"( hidden)?> as of\s*<span id="status-seen-at">([^<]*)</span>', page)
+    assert match, "the status section has no as-of line"
+    return None if match.group(1) else match.group(2)
+
+
+def test_with_no_coordinator_up_the_peer_counts_say_from_when(client, sessions):
+    page = client.get("/runs/demo").text
+    assert as_of(page) is None, "no snapshot yet: nothing to date"
+    with sessions() as session:
+        run = registry.get_run(session, "demo")
+        coordinator = registry.register_coordinator(session, run, "QmOnly", ["/ip4/10.0.0.1/tcp/1/p2p/QmOnly"]).id
+        snapshot = record_snapshot(session, run, peers_online=3, peers_client=0, peers_unreachable=1,
+                                   samples_per_second=1.0, epoch=2, loss=None, samples_total=0)
+        taken_at = in_utc(snapshot.taken_at)
+    up = status(client)
+    assert datetime.fromisoformat(up["peers"]["seen_at"]) == taken_at
+    assert as_of(client.get("/runs/demo").text) is None, "a coordinator is up: the counts are current"
+
+    with sessions() as session:
+        session.get(Coordinator, coordinator).heartbeat_at = utcnow() - timedelta(seconds=TIMEOUT + 5)
+        session.commit()
+    down = status(client)
+    assert down["coordinators_up"] == 0 and down["peers"]["online"] == 3
+    assert as_of(client.get("/runs/demo").text) == taken_at.strftime("%Y-%m-%d %H:%M:%S UTC")
+
+
+@needs_chromium
+def test_the_status_section_dates_its_counts_once_the_coordinator_is_gone_without_a_reload(start_portal, page):
+    portal = start_portal(coordinator_timeout=TIMEOUT)
+    with portal.db() as session:
+        run = registry.create_run(session, slug="live", title="Live run")
+        coordinator = registry.register_coordinator(session, run, "QmLive", ["/ip4/10.0.0.1/tcp/1/p2p/QmLive"]).id
+        taken_at = in_utc(record_snapshot(session, run, peers_online=2, peers_client=1, peers_unreachable=0,
+                                          samples_per_second=1.0, epoch=1, loss=None, samples_total=0).taken_at)
+    page.goto(f"{portal.url}/runs/live")
+    assert page.locator("#status-as-of").is_hidden() and page.locator("#status-online").inner_text() == "2"
+    with portal.db() as session:
+        session.get(Coordinator, coordinator).heartbeat_at = utcnow() - timedelta(seconds=TIMEOUT + 5)
+        session.commit()
+    page.wait_for_selector("#status-as-of", state="visible", timeout=15_000)  # status.js polls every 5 s
+    assert page.locator("#status-seen-at").inner_text() == taken_at.strftime("%Y-%m-%d %H:%M:%S UTC")
+    assert page.locator("#status-coordinators tbody td.down").count() == 1
 
 
 def test_the_join_page_says_how_reachability_is_decided(client):

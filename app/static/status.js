@@ -23,6 +23,10 @@
       return row;
     }));
     for (const key of ["online", "reachable", "unreachable", "client"]) text(`status-${key}`, status.peers[key]);
+    // With no coordinator up the counts are the last snapshot's: say from when.
+    const stale = status.coordinators_up === 0 && Boolean(status.peers.seen_at);
+    document.getElementById("status-as-of").hidden = !stale;
+    text("status-seen-at", stale ? when(status.peers.seen_at) : "");
     text("status-version", status.portal_version);
   }
 
