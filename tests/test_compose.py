@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -61,7 +62,23 @@ def dockerfile() -> dict:
         "expose": re.findall(r"^EXPOSE (\d+)", text, re.M),
         "volumes": re.findall(r"^VOLUME (\S+)", text, re.M),
         "data_dir": re.search(r"DEDLOC_DATA_DIR=(\S+)", text).group(1),
+        "pip": pip_steps(text),
     }
+
+
+def pip_steps(text: str) -> dict[str, list[list[str]]]:
+    """Each stage's `pip wheel` and `pip install` commands, in order, as argv lists without the `pip`."""
+    steps: dict[str, list[list[str]]] = {}
+    stage = None
+    for line in text.replace("\\\n", " ").splitlines():
+        if found := re.match(r"FROM \S+ AS (\S+)", line):
+            stage = steps.setdefault(found.group(1), [])
+        elif line.startswith("RUN "):
+            for command in line[4:].split("&&"):
+                argv = shlex.split(command)
+                if argv[:1] == ["pip"] and argv[1:2] in (["wheel"], ["install"]):
+                    stage.append(argv[1:])
+    return steps
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +151,29 @@ def test_start_order_and_health_checks(compose, dockerfile):
     port = environment(portal)["DEDLOC_PORT"]
     assert [port] == dockerfile["expose"] == portal["expose"]
     assert f"portal:{port}" in services["proxy"]["command"]
+
+
+# What the Dockerfile's paths are in tests/test_install.py's steps; flags that change only speed or output.
+IMAGE_PATHS = {"/wheels": "{wheels}", ".": "{source}", "/wheels/constraints.txt": "{constraints}",
+               "/wheels/dedloc-*.whl": "{wheel}", "$(ls /wheels/dedloc-*.whl)[coordinator]": "{wheel}[coordinator]"}
+COSMETIC_FLAGS = {"-q", "--quiet", "--no-compile", "--no-build-isolation"}
+
+
+def substance(argv) -> list[str]:
+    return [IMAGE_PATHS.get(part, part) for part in argv if part not in COSMETIC_FLAGS]
+
+
+def test_the_image_builds_and_installs_the_package_as_the_install_test_does(dockerfile):
+    from tests.test_install import PIP_INSTALL, PIP_WHEEL
+
+    pip = dockerfile["pip"]
+    assert [substance(step) for step in pip["build"]] == [substance(PIP_WHEEL)]
+    assert [substance(step) for step in pip["portal"]] == [substance(PIP_INSTALL)]
+    # The coordinator stage: the same install step, for pinned torch first and then the package with its extra.
+    install = substance(PIP_INSTALL)
+    torch_pin = re.search(r"^torch==\S+", (ROOT / "constraints.txt").read_text(), re.M).group(0)
+    assert [substance(step) for step in pip["coordinator"]] == [
+        [*install[:-1], torch_pin], [*install[:-1], f"{install[-1]}[coordinator]"]]
 
 
 def test_one_data_volume_is_every_dedloc_containers_data_dir(compose, dockerfile):

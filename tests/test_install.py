@@ -22,6 +22,14 @@ ROOT = Path(__file__).resolve().parent.parent
 # Every portal module a web process may import (the coordinator, the planner and the demo are the swarm's side).
 WEB_IMPORTS = ("import sys, app.web.main, app.cli.main, app.credit.stats_export; app.web.main.create_app(); "
                "print(sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'hivemind', 'dedloc_worker')))")
+# The package's build and install, as pip arguments: the Dockerfile's build and portal stages run the same steps
+# (tests/test_compose.py compares them, ignoring only -q, --no-compile and --no-build-isolation).
+PIP_WHEEL = ("wheel", "-q", "--no-deps", "--no-build-isolation", "-w", "{wheels}", "{source}")
+PIP_INSTALL = ("install", "-q", "--no-compile", "-c", "{constraints}", "{wheel}")
+
+
+def pip_step(step: tuple[str, ...], **paths) -> list[str]:
+    return [part.format(**paths) for part in step]
 
 
 def run(*args, **kwargs) -> subprocess.CompletedProcess:
@@ -35,12 +43,12 @@ def installed(tmp_path_factory) -> Path:
     """A virtualenv holding the built dedloc wheel alone, and what it depends on (`pip install .`)."""
     root = tmp_path_factory.mktemp("installed")
     wheels = root / "wheels"
-    run(sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", wheels, ROOT)
+    run(sys.executable, "-m", "pip", *pip_step(PIP_WHEEL, wheels=wheels, source=ROOT))
     env_dir = root / "venv"
     venv.EnvBuilder(with_pip=True).create(env_dir)
     python = env_dir / "bin" / "python"
     (wheel,) = wheels.glob("dedloc-*.whl")
-    run(python, "-m", "pip", "install", "-q", "--no-compile", "-c", ROOT / "constraints.txt", wheel)
+    run(python, "-m", "pip", *pip_step(PIP_INSTALL, constraints=ROOT / "constraints.txt", wheel=wheel))
     return env_dir
 
 
