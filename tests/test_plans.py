@@ -34,10 +34,10 @@ MBIT = 1e6 / 8  # bytes per second
 
 def plan_row(run, predicted: float, created_at: datetime) -> AveragingPlan:
     """alice aggregates 62.5 % at 100/200 Mbit/s, bob's auxiliary peer 37.5 % at 50/50, the hidden carol is a
-    client at 10/20 Mbit/s."""
+    client at 10/20 Mbit/s (the portal found her unreachable)."""
     peers = [
         {"peer_id": CAROL_PEER, "username": HIDDEN_NAME, "share": 0.0, "role": "client",
-         "upload_bps": 10 * MBIT, "download_bps": 20 * MBIT},
+         "upload_bps": 10 * MBIT, "download_bps": 20 * MBIT, "reachability": "unreachable"},
         {"peer_id": ALICE_PEER, "username": "alice", "share": 0.625, "role": "aggregator",
          "upload_bps": 100 * MBIT, "download_bps": 200 * MBIT, "device": "cuda"},
         {"peer_id": BOB_AUX_PEER, "username": "bob", "share": 0.375, "role": "aux",
@@ -96,6 +96,36 @@ def test_the_plan_api_gives_roles_shares_and_mbit_per_second(client):
     assert datetime.fromisoformat(plan["created_at"]) == PLANNED_AT
     # Where each trains, as the workers reported it; entries of older plans say nothing.
     assert [p["device"] for p in plan["peers"]] == ["cuda", "", ""]
+    # How carol's mode was decided: the portal could not dial her back (the others' entries do not say).
+    assert [p["reachability"] for p in plan["peers"]] == ["", "", "unreachable"]
+
+
+def client_cell(page: str) -> str:
+    """The role cell of the plan's only client row."""
+    table = page[page.index('id="plan-peers"'):page.index("</table>", page.index('id="plan-peers"'))]
+    (row,) = [row for row in table.split("<tr>")[2:] if "client" in row]
+    return row.split("<td>")[3].split("</td>")[0]
+
+
+@pytest.mark.parametrize("reachability, shown", [
+    ("unreachable", "client (found unreachable)"),
+    ("client", "client (chose client mode)"),
+    (None, "client (aggregates nothing)"),  # an entry from before plans said, or a worker that did not
+])
+def test_the_plan_says_whether_a_client_was_found_unreachable_or_chose_it(sessions, database_url, tmp_path,
+                                                                         reachability, shown):
+    with sessions() as session:
+        demo = registry.create_run(session, slug="demo", title="Demo run")
+        row = plan_row(demo, 1.25, PLANNED_AT)
+        carol, *others = row.peers
+        carol = {key: value for key, value in carol.items() if key != "reachability"}
+        row.peers = [carol if reachability is None else {**carol, "reachability": reachability}, *others]
+        session.add(row)
+        session.commit()
+    with TestClient(create_app(Settings(database_url=database_url, data_dir=tmp_path))) as client:
+        assert client_cell(client.get("/runs/demo").text) == shown
+        peers = client.get("/api/v1/runs/demo/plan").json()["peers"]
+    assert [p["reachability"] for p in peers if p["role"] == "client"] == [reachability or ""]
 
 
 def test_a_plan_naming_peer_keys_labels_each_peer_as_its_owners_page_does(sessions, database_url, tmp_path):

@@ -308,5 +308,5 @@ def links_online(session, run, metrics: list[SignedMetrics], online: set[str], m
                  and (m.peer_key in online or now - m.record.time <= max_age)]
     known = owners(session, run, (m.peer_key for m in reporting))
     return [LinkSeen(m.peer_key, known[m.peer_key][1], known[m.peer_key][0], m.record.link, m.record.hardware,
-                     m.record.samples_per_second)
+                     m.record.samples_per_second, m.record.reachability)
             for m in reporting if m.peer_key in known]

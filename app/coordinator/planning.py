@@ -56,6 +56,7 @@ class LinkSeen:
     link: LinkReport
     hardware: str = ""  # the worker's own words, "cuda: <GPU>" or "cpu: N threads"
     samples_per_second: float = 0.0  # its training throughput, as its metrics record reports it
+    reachability: str = ""  # how its mode was decided (contract.REACHABILITY), as its metrics record reports it
 
 
 def profiles_of(peers: Sequence[LinkSeen]) -> list[PeerProfile]:
@@ -152,7 +153,9 @@ class PlanKeeper:
                         # the kind only ("cuda", "cpu"): the public plan does not name a volunteer's GPU model
                         device=peer.hardware.split(":", 1)[0] if peer.hardware else "",
                         # what the solution gives it to do, and its averaging group (docs/averaging.md#groups)
-                        step_role=plan.roles.get(peer.peer_id, ""), group=group_of(plan, peer.peer_id))
+                        step_role=plan.roles.get(peer.peer_id, ""), group=group_of(plan, peer.peer_id),
+                        # found unreachable or client by choice: the plan view says which (no address in it)
+                        reachability=peer.reachability)
                    for peer in peers if peer.peer_id in plan.shares],
         )
         session.add(row)

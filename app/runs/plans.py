@@ -32,8 +32,10 @@ class PlanPeer(BaseModel):
     peer keys),
     ``username`` its owner ("hidden volunteer" for users hidden from public boards), ``role`` "aggregator",
     "client" (accepts no connections, aggregates nothing) or "aux" (aggregates, trains nothing), ``share`` of the
-    gradient vector it aggregates (a fraction, 0 to 1), its measured bandwidth in Mbit/s, and ``device`` where it
-    trains ("cuda" or "cpu"; "" in plans stored before plans said)."""
+    gradient vector it aggregates (a fraction, 0 to 1), its measured bandwidth in Mbit/s, ``device`` where it
+    trains ("cuda" or "cpu"; "" in plans stored before plans said), and ``reachability`` how its mode was decided
+    (``contract.REACHABILITY``: "reachable", "unreachable" for a peer the portal could not dial back, which went
+    client by itself, "client" for one told --client; "" when it did not say, or in older plans)."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -44,6 +46,7 @@ class PlanPeer(BaseModel):
     upload_mbps: float
     download_mbps: float
     device: str = ""
+    reachability: str = ""
 
 
 class PublicPlan(BaseModel):
@@ -102,6 +105,7 @@ def plan_peer(peer: dict[str, Any], hidden: set[str]) -> PlanPeer:
         upload_mbps=to_mbps(peer.get("upload_bps")),
         download_mbps=to_mbps(peer.get("download_bps")),
         device=str(peer.get("device") or ""),
+        reachability=str(peer.get("reachability") or ""),
     )
 
 
