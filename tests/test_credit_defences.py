@@ -124,6 +124,46 @@ def test_receipts_against_other_peoples_rounds_cut_nothing_and_are_held_against_
     assert outcomes["grief"] == {**outcomes["control"], "erin": (0, 80)}
 
 
+def test_a_claimant_that_leaves_honest_aggregators_out_of_its_members_cannot_turn_their_receipts_into_disputes(
+        sessions, tmp_path):
+    """Membership is what either side's own signed record says: mallory sends 100 samples' weight but claims
+    1,000 and lists nobody but herself as the round's members. carol's and dave's own claims for that round list
+    her, so their receipts count: they agree on 100, which is credited, and nobody disputes against them. With
+    carol the only other user in the round it is word against word: held as disputed, both sides shown, and carol
+    is still no disputer. gary lists himself into alice's and bob's round and says they sent nothing: a voice,
+    outvoted by theirs; a receipt from a peer neither record lists stays "not a member"."""
+    with sessions() as session:
+        run = aged_run(session, "omits")
+        mallory, carol = Peer(session, run, "mallory", tmp_path, 0), Peer(session, run, "carol", tmp_path, 1)
+        dave, alice = Peer(session, run, "dave", tmp_path, 2), Peer(session, run, "alice", tmp_path, 3)
+        bob, gary = Peer(session, run, "bob", tmp_path, 4), Peer(session, run, "gary", tmp_path, 5)
+        pam = Peer(session, run, "pam", tmp_path, 6)
+        records = [record for record in round_of("three", 1, {mallory: 100, carol: 200, dave: 250},
+                                                   claims={mallory: 1000}) if record.peer_key != mallory.key]
+        records.append(mallory.record(claim(1, 1000, "three", {"three": {carol.peer_id: 200.0, dave.peer_id: 250.0}},
+                                            [mallory.peer_id])))
+        records += [record for record in round_of("two", 2, {mallory: 100, carol: 200}, claims={mallory: 1000})
+                    if record.peer_key != mallory.key]
+        records.append(mallory.record(claim(2, 1000, "two", {"two": {carol.peer_id: 200.0}}, [mallory.peer_id])))
+        records += round_of("g1", 3, {alice: 300, bob: 200})
+        records.append(gary.record(claim(3, 50, "g1", {"g1": {alice.peer_id: 0.0, bob.peer_id: 0.0}},
+                                         sorted([gary.peer_id, alice.peer_id, bob.peer_id]))))
+        # pam was in no round with alice or bob, and her claim is in another round: her word counts for nothing
+        records.append(pam.record(claim(4, 0, "", {"g1": {alice.peer_id: 0.0}})))
+        credit_epochs(session, run, records)
+        assert totals(session, run) == {"mallory": (200, 1800), "carol": (400, 0), "dave": (250, 0),
+                                        "alice": (300, 0), "bob": (200, 0), "gary": (0, 50), "pam": (0, 0)}
+        assert disputes_by_author(session, run) == {"carol": [("mallory", "unresolved")],
+                                                    "gary": [("alice", "outvoted"), ("bob", "outvoted")],
+                                                    "pam": [("alice", "not a member")]}
+        assert review.disputers(session, run) == [review.Disputer("gary", outvoted=2, not_a_member=0),
+                                                  review.Disputer("pam", outvoted=0, not_a_member=1)]
+        assert review.disputed_claims(session, run) == [review.DisputedClaim("mallory", 2, 1000, "carol", 100)]
+        three = session.query(Contribution).filter_by(run_id=run.id, username="mallory", epoch=1).one()
+        assert three.reason.startswith("claimed 1,000 samples, the peers that averaged with it saw 100 "
+                                       "(2 of 2 other volunteers agree)")
+
+
 def add_snapshots(session, run, *points: tuple[float, int]) -> None:
     """Snapshots the coordinator took ``seconds`` ago at swarm epoch ``epoch`` (with a peer online)."""
     now = utcnow()
@@ -227,7 +267,8 @@ def test_one_user_cannot_raise_their_credit_above_what_another_user_saw_nor_cut_
     """Properties of credit_epochs for one round: honest users (one peer each) claim what they sent, list the
     round's true members and report the true weights they saw; one attacker user with up to three peers claims,
     lists and reports anything (from inside the round or outside it). Then no attacker claim is credited more than
-    an honest user saw it send, and every honest claim another honest user confirmed is credited in full."""
+    an honest user saw it send, every honest claim another honest user confirmed is credited in full, and no honest
+    user is among the disputers organizers see."""
     with shared_sessions() as session:
         run = aged_run(session, f"p{next(EXAMPLES)}")
         folder = tmp_path_factory.mktemp("keys")
@@ -256,3 +297,7 @@ def test_one_user_cannot_raise_their_credit_above_what_another_user_saw_nor_cut_
         if len(honest_peers) >= 2:
             for peer, weight in zip(honest_peers, honest):
                 assert (rows[peer.key].credited, rows[peer.key].held) == (weight, 0), rows[peer.key].reason
+        # whatever the attacker lists or leaves out, an honest user is never shown to organizers as disputing
+        # (outvoted, or not a member): at most as one side of a word-against-word claim
+        disputing = {d.username for d in review.disputers(session, run)}
+        assert not disputing & {peer.username for peer in honest_peers}, disputes_by_author(session, run)

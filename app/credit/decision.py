@@ -56,7 +56,10 @@ def decide(claimed: int, observed_seconds: float, seen_by: Mapping[str, float], 
     """Credit ``claimed`` samples as the claimant and the other users of its round agree, up to ``ceiling``
     samples/s over ``observed_seconds``.
 
-    :param seen_by: other user -> what their peers, members of the round, saw of this claim (weight in samples)
+    :param seen_by: other user -> what their peers, members of the round, saw of this claim (weight in samples).
+        A member is one the claimant's record lists or whose own claim for the round lists the claimant, so a
+        griefer can make itself a voice here by listing its victim: one voice, which the victim's own and any
+        other user's outvote (with it the only other user, the claim is disputed: an organizer sees both sides)
     :param round_formed: the claim names a round; ``members_listed``: its record lists the round's members
     :param others_in_round: other users among the listed members (for the words when none confirmed)
     :param own_account: what peers of the claimant's own account said they saw (counts for nothing, named)

@@ -6,9 +6,15 @@ a peer that aggregated part of that round says it saw: the sender's weight, whic
 sender accumulated.
 
 Who confirms a claim: only receipts from peers that (a) belong to another user than the claimant, by the
-issued-token table (``owners``), and (b) were members of the round as the claimant's own signed record lists them.
-One user's several peers are one voice (the median of what they saw). Receipts from the claimant's own account
-count for nothing, so one user's peers cannot vouch for each other.
+issued-token table (``owners``), and (b) were members of the round as the round's members' own signed records attest
+it: the claimant's record lists the aggregator, or the aggregator's own claim for that round lists the claimant
+(``listed_by``). A claimant that leaves an honest aggregator out of its list therefore cannot turn that aggregator's
+correct receipt into a dispute against it. One user's several peers are one voice (the median of what they saw).
+Receipts from the claimant's own account count for nothing, so one user's peers cannot vouch for each other, however
+their records list each other (a Sybil pair is one voice). A griefer that lists its victim in its own claim for the
+victim's round gains a vote and no more: the victim's claim and every other user's receipt vote against it (it is
+outvoted, a dispute against the griefer), and with the griefer the only other user the claim is held as disputed,
+both sides shown, as for any word against word.
 
 What is credited: the value a strict majority agrees on among the claimant (its claim) and each other user of the
 round (what their peers saw, counted up to the claim). A receipt against that majority is recorded as a dispute
@@ -163,7 +169,13 @@ def settle(session: Session, run: Run, groups: set[str], ungrouped: Sequence[tup
                Contribution.recorded_at, Contribution.credited, Contribution.held, Contribution.reason,
                Contribution.members, Contribution.observed_seconds)
     mine = (Contribution.run_id == run.id, Contribution.released_by.is_(None))
-    rows = list(session.execute(select(*columns).where(*mine, Contribution.group_id.in_(groups)))) if groups else []
+    rows, listed_by = [], {}
+    if groups:  # released claims decide nothing, but their members lists still attest who was in the round
+        for row in session.execute(select(*columns, Contribution.released_by).where(
+                Contribution.run_id == run.id, Contribution.group_id.in_(groups))):
+            listed_by.setdefault((row.group_id, row.peer_key), set()).update(row.members or ())
+            if row.released_by is None:
+                rows.append(row)
     if ungrouped:
         rows += session.execute(select(*columns).where(
             *mine, Contribution.group_id == "", tuple_(Contribution.peer_key, Contribution.epoch).in_(list(ungrouped))))
@@ -188,7 +200,7 @@ def settle(session: Session, run: Run, groups: set[str], ungrouped: Sequence[tup
         elif row.peer_key in failed:
             decision = Decision(0, row.samples, failed[row.peer_key])
         else:
-            decision = _decide_row(row, known, member_users, seen_by, run, window, disputes)
+            decision = _decide_row(row, known, member_users, seen_by, listed_by, run, window, disputes)
         now = (decision.credited, decision.held, decision.reason, window)
         if now != (row.credited, row.held, row.reason, row.observed_seconds):
             changes.append(dict(id=row.id, credited=decision.credited, held=decision.held, reason=decision.reason,
@@ -198,8 +210,13 @@ def settle(session: Session, run: Run, groups: set[str], ungrouped: Sequence[tup
     _keep_disputes(session, run, rows, disputes)
 
 
-def _decide_row(row, known, member_users, seen_by, run: Run, window: float, disputes: dict) -> Decision:
-    """One claim's decision; the disputes it raises go into ``disputes`` by (round, claim key, aggregator key)."""
+def _decide_row(row, known, member_users, seen_by, listed_by, run: Run, window: float, disputes: dict) -> Decision:
+    """One claim's decision; the disputes it raises go into ``disputes`` by (round, claim key, aggregator key).
+
+    :param listed_by: (round, peer key) -> the PeerIDs that peer's own claims for that round list as members: an
+        aggregator whose claim lists the claimant was in the round by its own signed word, whatever the claimant's
+        list says
+    """
     username, peer_id = known[row.peer_key]
     members = set(row.members or ())
     counted, outsiders, own = [], [], []
@@ -209,7 +226,7 @@ def _decide_row(row, known, member_users, seen_by, run: Run, window: float, disp
         author, author_peer_id = known[aggregator]
         if author == username:
             own.append(weight)
-        elif author_peer_id in members:
+        elif author_peer_id in members or peer_id in listed_by.get((row.group_id, aggregator), ()):
             counted.append((aggregator, author, weight))
         else:
             outsiders.append((aggregator, author, weight))
