@@ -3,11 +3,13 @@
     python -m bench.load [--viewers 1000 2500 5000 7500 10000] [--updates 5] [--api-concurrency 1 4 16 64]
                          [--peers 1000] [--out bench/results/load.json]
 
-Three measurements on one throwaway PostgreSQL cluster, everything on loopback, the clients on the same cores:
+Three measurements on one throwaway PostgreSQL cluster, everything on loopback, the clients on the same cores. The
+portal runs with its default settings (live interval, streams per process), as a deployment that sets nothing does.
 
 1. **Viewers**: for each count N, N clients open `/runs/bench/events` (raw sockets: an HTTP client library per
-   viewer would cost more than the portal), then a writer records a snapshot every second, ``--updates`` times.
-   A viewer *holds* when it received every one of those snapshots, each within 2 s of the snapshot's time.
+   viewer would cost more than the portal), then a writer records a snapshot every coordinator poll interval (the
+   default, 2 s), ``--updates`` times. A viewer *holds* when it received every one of those snapshots, each
+   within 2 s of the snapshot's time.
 2. **API reads**: for each concurrency, closed-loop clients GET a mix of public reads (run, swarm, leaderboard,
    history) for 10 s: reads per second, median and p99 latency.
 3. **Coordinator**: the database work of one coordinator poll with ``--peers`` simulated peers' records
@@ -34,6 +36,7 @@ from pathlib import Path
 
 import httpx
 
+from app.core.config import Settings
 from app.core.database import make_engine, make_sessionmaker
 from app.core.processes import spawn, stop
 from app.runs.registry import get_run
@@ -44,7 +47,6 @@ from bench import write_results
 
 SLUG = "bench"
 WITHIN = 2.0  # seconds from a snapshot to every viewer
-LIVE_INTERVAL = "0.5"  # the portal's reader looks for a new snapshot this often (default 2 s: see docs)
 READS = ("/api/v1/runs/bench", "/api/v1/runs/bench/swarm", "/api/v1/runs/bench/leaderboard",
          "/api/v1/runs/bench/history?limit=100")
 CONNECT_AT_ONCE = 200  # viewers connecting at the same time (the listen backlog is 2048)
@@ -103,14 +105,14 @@ async def viewers_hold(port: int, database_url: str, count: int, updates: int) -
         await asyncio.sleep(0.2)
     connect_seconds = time.perf_counter() - started
     await asyncio.sleep(2)  # every stream's first event (the current swarm) is out of the way
-    written = []
+    written, every = [], Settings().poll_interval  # as often as the coordinator writes one
     for n in range(updates):
         value = 10_000_000 + count * 100 + n
         with sessions() as session:
             record_snapshot(session, get_run(session, SLUG), peers_online=count, samples_per_second=1.0, epoch=n,
                             loss=1.0, samples_total=value, samples_accumulated=0, eta_seconds=None)
         written.append(value)
-        await asyncio.sleep(1.0)
+        await asyncio.sleep(every)
     await asyncio.sleep(WITHIN + 1)
     for task in tasks:
         task.cancel()
@@ -205,8 +207,9 @@ def raise_file_limit() -> int:
 
 def measure(args, database_url: str, workdir: Path) -> dict:
     port = free_port()
-    env = {"DATABASE_URL": database_url, "DEDLOC_DATA_DIR": str(workdir), "DEDLOC_PORT": str(port),
-           "DEDLOC_LIVE_INTERVAL": LIVE_INTERVAL, "DEDLOC_MAX_EVENT_STREAMS": "20000"}
+    # Nothing but where to serve: the portal's settings are the defaults (or what this shell's environment sets).
+    env = {"DATABASE_URL": database_url, "DEDLOC_DATA_DIR": str(workdir), "DEDLOC_PORT": str(port)}
+    settings = Settings()
     cli = [sys.executable, "-m", "app.cli"]
     subprocess.run([*cli, "create-run", SLUG], env={**os.environ, **env}, check=True, capture_output=True)
     log = workdir / "portal.log"
@@ -235,7 +238,9 @@ def measure(args, database_url: str, workdir: Path) -> dict:
     print("coordinator", json.dumps(poll), flush=True)
     text = log.read_text(errors="replace")
     return {"measured_at": datetime.now().astimezone().isoformat(timespec="seconds"), "web_processes": 2,
-            "database": "PostgreSQL", "live_interval_s": float(LIVE_INTERVAL), "cores": os.cpu_count(),
+            "database": "PostgreSQL", "live_interval_s": settings.live_interval,
+            "max_event_streams": settings.max_event_streams, "snapshot_every_s": settings.poll_interval,
+            "cores": os.cpu_count(),
             "viewers": viewers, "api": reads, "coordinator": poll,
             "portal_errors_logged": text.count("Traceback") + text.count("ERROR")}
 
@@ -247,8 +252,10 @@ def markdown(result: dict) -> str:
         "# Load on a deployment: PostgreSQL, two web processes",
         "",
         f"Written by `python -m bench.load` on {result['measured_at']} ({result['cores']} cores; the clients, both",
-        f"web processes and PostgreSQL share them). Live interval {result['live_interval_s']} s. Method:",
-        "docs/benchmarks.md#load-bench.",
+        "web processes and PostgreSQL share them). The portal's settings as the environment left them (the defaults",
+        f"unless set): live interval {result['live_interval_s']} s, {result['max_event_streams']:,} streams per "
+        f"process; a snapshot every {result['snapshot_every_s']} s",
+        "(the coordinator's poll interval). Method: docs/benchmarks.md#load-bench.",
         "",
         f"- Most dashboard viewers held (every update, each within {WITHIN:.0f} s): **{max(held) if held else 0:,}**",
         f"- API reads per second at p99 < 100 ms: **{max((r['reads_per_second'] for r in fast), default=0):,.0f}**",

@@ -176,6 +176,16 @@ def test_the_image_builds_and_installs_the_package_as_the_install_test_does(dock
         [*install[:-1], torch_pin], [*install[:-1], f"{install[-1]}[coordinator]"]]
 
 
+def test_the_portal_may_open_a_socket_for_every_stream_it_serves(compose, monkeypatch):
+    portal = compose["services"]["portal"]
+    for variable, value in environment(portal).items():
+        monkeypatch.setenv(variable, value)
+    streams = Settings().max_event_streams
+    soft = portal["ulimits"]["nofile"]["soft"]
+    assert soft >= streams + 1000, f"open files {soft}: too few for {streams} streams and the rest of a process"
+    assert portal["ulimits"]["nofile"]["hard"] >= soft
+
+
 def test_one_data_volume_is_every_dedloc_containers_data_dir(compose, dockerfile):
     declared = set(compose["volumes"])
     for name, service in compose["services"].items():

@@ -31,11 +31,12 @@ class Settings(BaseSettings):
     plan_interval: float = Field(30.0, ge=0)
     # A coordinator whose heartbeat is older than this (seconds) is not offered to joining workers.
     coordinator_timeout: float = Field(30.0, gt=0)
-    # Seconds between two server-sent updates of a dashboard.
-    live_interval: float = Field(2.0, gt=0)
+    # Seconds between two server-sent updates of a dashboard: under the coordinator's poll interval, so every
+    # snapshot reaches every viewer within about a second plus the fan-out.
+    live_interval: float = Field(1.0, gt=0)
     # Open dashboard streams one web process serves; past it a viewer gets 503 + Retry-After (each stream costs a
-    # socket and a little memory, never a database connection).
-    max_event_streams: int = Field(2000, gt=0)
+    # socket and a little memory, never a database connection): the process's open-file limit must be above it.
+    max_event_streams: int = Field(10000, gt=0)
     # A viewer whose socket takes longer than this (seconds) to accept one update is dropped.
     event_send_timeout: float = Field(10.0, gt=0)
     # Database connection pool per process (SQLAlchemy's QueuePool, SQLite and PostgreSQL alike). A request holds a
