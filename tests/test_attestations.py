@@ -73,8 +73,8 @@ def test_robust_aggregation_options_are_validated_like_the_others(sessions):
 
 
 def test_a_full_claim_outbox_sheds_attestations_before_any_claim():
-    """Attestations are evidence, claims are credit: a coordinator outage long enough to fill the record costs the
-    oldest claims' attestations first."""
+    """Attestations are evidence, claims are credit: a coordinator outage long enough to fill the worker's claim
+    outbox costs the oldest claims' attestations first."""
     import time
 
     from dedloc_common.contract import EpochContribution, MetricsRecord
@@ -84,7 +84,7 @@ def test_a_full_claim_outbox_sheds_attestations_before_any_claim():
     claims = [EpochContribution(epoch=e, samples=10, loss_sum=1.0, mini_steps=1, seconds=1.0, attested=notes)
               for e in range(6)]
     bare = len(claims[0].copy(update={"attested": {}}).json())
-    outbox = ClaimOutbox(max_bytes=6 * bare + 2 * (len(claims[0].json()) - bare))  # all claims, two attested
+    outbox = ClaimOutbox(held_bytes=6 * bare + 2 * (len(claims[0].json()) - bare))  # all claims, two attested
     for claim in claims:
         sent = outbox.outgoing(MetricsRecord(username="alice", epoch=9, samples_per_second=1.0, time=time.time(),
                                              recent=[claim]))

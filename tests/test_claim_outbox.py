@@ -1,28 +1,27 @@
-"""A worker keeps every claim in its metrics record, and the record alive, until the coordinator acknowledges it
-(dedloc_worker.claims): on real hivemind DHT nodes in this process, with an acknowledgement signed by a run's
-authority key and one signed by another key."""
+"""A worker keeps every claim until the coordinator acknowledges it, its record carrying the oldest of them, and the
+record alive (dedloc_worker.claims): the outbox's bound on its own (an hour of claims, no DHT), then on real
+hivemind DHT nodes in this process, with an acknowledgement signed by a run's authority key and one signed by
+another key."""
 
 from __future__ import annotations
 
 import gc
+import json
 import time
 from collections import deque
 
 import pytest
-from dedloc_common.contract import (RECENT_EPOCHS_KEPT, AckRecord, EpochContribution, MetricsRecord, ack_payload,
-                                   peer_key_of_subkey)
+from dedloc_common.contract import (PENDING_CLAIMS_BYTES, PENDING_CLAIMS_KEPT, RECENT_EPOCHS_KEPT, AckRecord,
+                                   EpochContribution, MetricsRecord, ack_payload, encode_sketch, peer_key_of_subkey)
 from dedloc_common.signing import new_private_key, public_openssh, sign
 from dedloc_worker.admission import TokenCheck
-from dedloc_worker.claims import ClaimKeeper, ClaimOutbox
+from dedloc_worker.claims import CLAIMS_HELD, ClaimKeeper, ClaimOutbox
 from dedloc_worker.receipts import ReceiptLog
 from dedloc_worker.records import add_record_validators, publish_acks, publish_metrics, read_metrics, use_outbox
 from dedloc_worker.swarm import create_dht
 from hivemind.utils.crypto import RSAPrivateKey
 
-pytestmark = [
-    pytest.mark.swarm,
-    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
-]
+pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 RUN = "outbox"
 GROUP = "ab" * 8
 
@@ -40,24 +39,79 @@ def test_a_record_from_a_worker_before_members_still_parses():
     assert EpochContribution.parse_obj(old).members == []
 
 
+def full_claim(epoch: int, size: int = 8) -> EpochContribution:
+    """A claim as a worker in a round of ``size`` sends it: the round's members, receipts for every other member's
+    part, a gradient sketch (about 1.2 KB of JSON for 8)."""
+    members = [f"12D3KooWPeer{epoch % 97:02d}x{i:02d}" + "A" * 32 for i in range(size)]
+    group = f"{epoch:032x}"
+    return EpochContribution(epoch=epoch, samples=2048 + epoch % 7, loss_sum=12.3456789 + epoch, mini_steps=64,
+                             seconds=1.8, group=group, aggregated={group: {m: 2048.0 for m in members[1:]}},
+                             members=members, sketch=encode_sketch([0.1] * 64))
+
+
 def test_the_outbox_keeps_what_is_not_acknowledged_within_its_caps(tmp_path):
     receipts = ReceiptLog(tmp_path)
     receipts.note_round(bytes.fromhex(GROUP), ["QmA", "QmB"])
     receipts.drain()
-    outbox = ClaimOutbox(receipts, kept=5)
+    outbox = ClaimOutbox(receipts, kept=5, held=6)
     recent = deque(maxlen=3)  # the training loop hands over its last few only
     for epoch in range(8):
         recent.append(contribution(epoch, GROUP if epoch == 7 else ""))
         sent = outbox.outgoing(record_of(recent))
-    assert [c.epoch for c in sent.recent] == [3, 4, 5, 6, 7] and outbox.dropped == 3
-    assert sent.recent[-1].members == ["QmA", "QmB"] and sent.recent[0].members == []
-    assert outbox.acknowledge(6) and not outbox.acknowledge(5)
-    assert [c.epoch for c in outbox.record.recent] == [7]
+    # six held (the oldest two dropped), the record carries the oldest five of them
+    assert sorted(outbox.pending) == [2, 3, 4, 5, 6, 7] and outbox.dropped == 2 and outbox.backlog == 1
+    assert [c.epoch for c in sent.recent] == [2, 3, 4, 5, 6]
+    assert outbox.pending[7].members == ["QmA", "QmB"] and sent.recent[0].members == []
+    assert outbox.acknowledge(5) and not outbox.acknowledge(4)
+    assert [c.epoch for c in outbox.record.recent] == [6, 7] and outbox.backlog == 0
+    assert outbox.record.recent[-1].members == ["QmA", "QmB"]
     assert outbox.acknowledge(7) and [c.epoch for c in outbox.record.recent] == [7]  # the newest stays, for its loss
-    tight = ClaimOutbox(max_bytes=3 * len(contribution(0).json()))
+    tight = ClaimOutbox(held_bytes=3 * len(contribution(0).json()))
     for epoch in range(6):
         tight.outgoing(record_of([contribution(epoch)]))
     assert len(tight.pending) < 6 and max(tight.pending) == 5
+    narrow = ClaimOutbox(max_bytes=10)  # a claim larger than a record's bytes still goes, alone
+    assert [c.epoch for c in narrow.outgoing(record_of([contribution(0), contribution(1)])).recent] == [0]
+
+
+def test_an_hour_of_claims_without_a_coordinator_all_reach_it_when_it_returns():
+    """The bound: a coordinator down for an hour at 1 s per epoch (3,600 claims of rounds of 8, more than 4 MB)
+    loses nothing. The record stays within its caps and carries the oldest claims; the coordinator stores what
+    each record carries and acknowledges the newest epoch it holds, and every claim arrives, exactly as the worker
+    made it. An acknowledgement drops what it covers and nothing else; the outbox holds two hours' worth before it
+    drops any."""
+    made = {epoch: full_claim(epoch) for epoch in range(3600)}
+    outbox = ClaimOutbox()
+    recent = deque(maxlen=RECENT_EPOCHS_KEPT)
+    for epoch in range(3600):
+        recent.append(made[epoch])
+        sent = outbox.outgoing(record_of(recent))
+    assert outbox.dropped == 0 and sorted(outbox.pending) == list(range(3600))
+    assert sum(len(json.dumps(c.dict())) for c in made.values()) > 4_000_000
+    assert [c.epoch for c in sent.recent] == list(range(len(sent.recent))) and outbox.backlog > 3000
+
+    database, polls = {}, 0
+    while outbox.backlog or max(database, default=-1) < 3599:
+        record = outbox.record
+        assert len(record.recent) <= PENDING_CLAIMS_KEPT
+        assert sum(len(json.dumps(c.dict())) for c in record.recent) <= PENDING_CLAIMS_BYTES
+        database.update({c.epoch: c for c in record.recent})
+        if polls == 0:  # an acknowledgement drops exactly what it covers
+            assert outbox.acknowledge(max(database)) and min(outbox.pending) == max(database) + 1
+            assert len(outbox.pending) == 3600 - len(database)
+        else:
+            outbox.acknowledge(max(database))
+        polls += 1
+        assert polls < 200
+    assert database == {epoch: made[epoch] for epoch in range(3600)}
+    assert outbox.pending == {} and [c.epoch for c in outbox.record.recent] == [3599]  # the newest, for its loss
+    assert polls <= 3600 * 1300 // PENDING_CLAIMS_BYTES + 1  # about 40 claims a record: a few minutes of polls
+
+    for epoch in range(3600, CLAIMS_HELD + 3600):  # another outage: two hours' worth held, then the oldest go
+        outbox.outgoing(record_of([full_claim(epoch)]))
+    assert outbox.dropped == 0 and len(outbox.pending) == CLAIMS_HELD
+    outbox.outgoing(record_of([full_claim(CLAIMS_HELD + 3600)]))
+    assert outbox.dropped == 1 and min(outbox.pending) == 3601
 
 
 @pytest.fixture
@@ -75,6 +129,7 @@ def worker_and_coordinator():
         gc.collect()
 
 
+@pytest.mark.swarm
 def test_claims_stay_in_the_swarm_until_the_coordinators_signed_acknowledgement(worker_and_coordinator, tmp_path,
                                                                                monkeypatch):
     monkeypatch.setenv("DEDLOC_METRICS_TTL", "4")

@@ -135,7 +135,8 @@ def credit_epochs(session: Session, run: Run, seen: Sequence[SignedMetrics]) -> 
 
 def acknowledgements(session: Session, run: Run, peer_keys: Iterable[str]) -> dict[str, int]:
     """peer key -> the newest epoch of its claims the database holds: what the coordinator acknowledges. Each
-    metrics record carries every claim its worker has not seen acknowledged, so all claims up to it are here."""
+    metrics record carries the oldest claims its worker has not seen acknowledged (all of them, or as many as fit:
+    ``dedloc_worker.claims``), so all claims up to it are here."""
     query = select(Contribution.peer_key, func.max(Contribution.epoch)).where(
         Contribution.run_id == run.id, Contribution.peer_key.in_(list(set(peer_keys)))).group_by(Contribution.peer_key)
     return {peer_key: int(epoch) for peer_key, epoch in session.execute(query)}

@@ -18,7 +18,8 @@ from pydantic import AfterValidator, BaseModel, Field, PlainSerializer
 
 API_PREFIX = "/api/v1"
 # How many past epochs the training loop hands to each metrics record. The worker's claim outbox
-# (dedloc_worker.claims) keeps more: every claim the coordinator has not acknowledged, up to the caps below.
+# (dedloc_worker.claims) keeps more: every claim the coordinator has not acknowledged (two hours' worth at 1 s per
+# epoch), and the record carries the oldest of them, up to the caps below.
 RECENT_EPOCHS_KEPT = 32
 # At most this many unacknowledged claims, and this many bytes of them (JSON), ride in one metrics record: every
 # peer's record lives under one DHT key and the coordinator reads them all in one reply (hivemind's limit is 2 MiB).

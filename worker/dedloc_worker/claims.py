@@ -1,17 +1,26 @@
 """A worker's claims until the coordinator has them: nothing is lost while the coordinator is down.
 
 Every epoch the training loop publishes a metrics record with its newest claims (``records.publish_metrics``).
-The ``ClaimOutbox`` of the worker's process adds to it every claim the coordinator has not acknowledged yet, each
-with the members of its all-reduce round (``receipts.ReceiptLog.members_of``), so the coordinator can tell who was
-there. The ``ClaimKeeper`` thread reads the coordinator's acknowledgement for this peer key (signed by the run's
-authority: ``contract.AckRecord``), drops the claims it covers, and republishes the record before it expires, also
-while no epoch closes (a paused run, a stalled swarm). A coordinator that comes back after any outage reads every
-claim made meanwhile, up to the caps that keep the record small (``contract.PENDING_CLAIMS_KEPT`` and
-``PENDING_CLAIMS_BYTES``; past them the oldest claims' attestations, then the oldest claims are dropped, with a
-line in the worker's output).
+The ``ClaimOutbox`` of the worker's process keeps every claim the coordinator has not acknowledged yet, each with
+the members of its all-reduce round (``receipts.ReceiptLog.members_of``), so the coordinator can tell who was
+there, and puts the oldest of them in the record instead of the training loop's list. The ``ClaimKeeper`` thread
+reads the coordinator's acknowledgement for this peer key (signed by the run's authority: ``contract.AckRecord``),
+drops the claims it covers, and republishes the record before it expires, also while no epoch closes (a paused
+run, a stalled swarm).
 
-What it cannot keep: the claims of a worker that leaves while the coordinator is down live in the DHT for one
-record lifetime (``records.metrics_ttl``) after it leaves.
+The bound. The outbox holds up to ``CLAIMS_HELD`` (7,200) claims and ``CLAIMS_HELD_BYTES`` (16 MiB of JSON) in the
+worker's memory: two hours at 1 s per epoch, four at 2 s (a claim of a round of 8 is about 1.2 KB, so the count
+binds first). Past that the oldest claims' attestations go, then the oldest claims, with a line in the worker's
+output. A record carries only the oldest unacknowledged claims that fit ``contract.PENDING_CLAIMS_KEPT`` (256) and
+``PENDING_CLAIMS_BYTES`` (48 KiB): every peer's record lives under one DHT key, which the coordinator reads in one
+reply. Those are a prefix of what is held, so the coordinator's acknowledgement (the newest epoch its database
+holds) covers exactly what it read; each acknowledgement moves the record on to the next oldest claims, the keeper
+checking every ``BACKLOG_INTERVAL`` seconds while claims wait beyond the record. A coordinator back after an hour at
+1.8 s per epoch (2,000 claims, 40 to 80 a record) reads them all in 25 to 50 polls, a few minutes; until then the
+record does not carry the newest claim (the dashboard's loss and spot checks wait for it).
+
+What it cannot keep: the claims of a worker that leaves (or restarts) while the coordinator is down live in the DHT
+for one record lifetime (``records.metrics_ttl``) after it leaves, and only those that were in its record.
 """
 
 from __future__ import annotations
@@ -24,33 +33,45 @@ from typing import Dict, List, Optional
 from dedloc_common.contract import PENDING_CLAIMS_BYTES, PENDING_CLAIMS_KEPT, EpochContribution, MetricsRecord
 
 
+# How many unacknowledged claims, and bytes of them (JSON), a worker holds in memory; the record carries the oldest.
+CLAIMS_HELD = 7200
+CLAIMS_HELD_BYTES = 16 * 1024 * 1024
+# How often (seconds) the keeper looks for an acknowledgement while held claims wait beyond the record.
+BACKLOG_INTERVAL = 1.0
+
+
 class ClaimOutbox:
     """This peer's unacknowledged claims by epoch, and the record last published with them.
 
     :param receipts: the ``ReceiptLog`` that knows the members of this peer's rounds (None: members stay as given)
+    :param kept: at most this many claims in a record, ``max_bytes`` of them (JSON; at least the oldest one)
+    :param held: at most this many claims held until acknowledged, ``held_bytes`` of them
     """
 
-    def __init__(self, receipts=None, kept: int = PENDING_CLAIMS_KEPT, max_bytes: int = PENDING_CLAIMS_BYTES):
+    def __init__(self, receipts=None, kept: int = PENDING_CLAIMS_KEPT, max_bytes: int = PENDING_CLAIMS_BYTES,
+                 held: int = CLAIMS_HELD, held_bytes: int = CLAIMS_HELD_BYTES):
         self.lock = threading.RLock()
         self.receipts, self.kept, self.max_bytes = receipts, kept, max_bytes
+        self.held, self.held_bytes = held, held_bytes
         self.pending: Dict[int, EpochContribution] = {}
         self._sizes: Dict[int, int] = {}
+        self._bytes = 0  # sum of _sizes
         self.acknowledged = -1  # every claim up to this epoch is in the coordinator's database
         self.newest: Optional[EpochContribution] = None
         self.record: Optional[MetricsRecord] = None  # the record as last published
         self.published_at = 0.0  # time.monotonic() of the last publication the DHT accepted
         self.dropped = 0
+        self.backlog = 0  # held claims the record could not carry
 
     def outgoing(self, record: MetricsRecord) -> MetricsRecord:
-        """``record`` with every unacknowledged claim (its own new ones added) instead of its ``recent`` list."""
+        """``record`` with the oldest unacknowledged claims (its own new ones added) instead of its ``recent``."""
         with self.lock:
             for claim in record.recent:
                 if claim.epoch <= self.acknowledged or claim.epoch in self.pending:
                     continue
                 if not claim.members and claim.group and self.receipts is not None:
                     claim = claim.copy(update={"members": self.receipts.members_of(claim.group)})
-                self.pending[claim.epoch] = claim
-                self._sizes[claim.epoch] = len(json.dumps(claim.dict()))
+                self._hold(claim)
                 if self.newest is None or claim.epoch >= self.newest.epoch:
                     self.newest = claim
             self._cap()
@@ -58,11 +79,18 @@ class ClaimOutbox:
             return self.record
 
     def claims(self) -> List[EpochContribution]:
-        """The unacknowledged claims, oldest first, and the newest claim even when acknowledged (its loss is the
-        swarm's latest on the dashboard)."""
+        """What a record carries: the oldest unacknowledged claims, as many as fit its caps, and, when they are all
+        there, the newest claim even when acknowledged (its loss is the swarm's latest on the dashboard). Only a
+        prefix of the unacknowledged claims: an acknowledgement of the newest epoch in it covers every older one."""
         with self.lock:
-            found = [self.pending[epoch] for epoch in sorted(self.pending)]
-            if self.newest is not None and self.newest.epoch not in self.pending:
+            found, size = [], 0
+            for epoch in sorted(self.pending):
+                if found and (len(found) >= self.kept or size + self._sizes[epoch] > self.max_bytes):
+                    break
+                found.append(self.pending[epoch])
+                size += self._sizes[epoch]
+            self.backlog = len(self.pending) - len(found)
+            if not self.backlog and self.newest is not None and self.newest.epoch not in self.pending:
                 found.append(self.newest)
             return found
 
@@ -78,24 +106,36 @@ class ClaimOutbox:
                 return False
             self.acknowledged = epoch
             for done in [e for e in self.pending if e <= epoch]:
-                del self.pending[done], self._sizes[done]
+                self._forget(done)
             if self.record is not None:
                 self.record = self.record.copy(update={"recent": self.claims()})
             return True
 
+    def _hold(self, claim: EpochContribution) -> None:
+        if claim.epoch in self.pending:
+            self._bytes -= self._sizes[claim.epoch]
+        self.pending[claim.epoch] = claim
+        self._sizes[claim.epoch] = len(json.dumps(claim.dict()))
+        self._bytes += self._sizes[claim.epoch]
+
+    def _forget(self, epoch: int) -> None:
+        del self.pending[epoch]
+        self._bytes -= self._sizes.pop(epoch)
+
     def _cap(self) -> None:
-        for epoch in sorted(self.pending):  # attestations go first, oldest first: they are evidence, not credit
-            if sum(self._sizes.values()) <= self.max_bytes:
-                break
-            if self.pending[epoch].attested:
-                self.pending[epoch] = self.pending[epoch].copy(update={"attested": {}})
-                self._sizes[epoch] = len(json.dumps(self.pending[epoch].dict()))
-        while self.pending and (len(self.pending) > self.kept or sum(self._sizes.values()) > self.max_bytes):
+        if self._bytes > self.held_bytes:  # attestations go first, oldest first: they are evidence, not credit
+            for epoch in sorted(self.pending):
+                if self._bytes <= self.held_bytes:
+                    break
+                if self.pending[epoch].attested:
+                    self._hold(self.pending[epoch].copy(update={"attested": {}}))
+        while self.pending and (len(self.pending) > self.held or self._bytes > self.held_bytes):
             oldest = min(self.pending)
-            del self.pending[oldest], self._sizes[oldest]
+            self._forget(oldest)
             self.dropped += 1
             print(f"claims: the coordinator has not acknowledged {len(self.pending) + 1} claims; dropped the oldest "
-                  f"(epoch {oldest}) to keep the metrics record small", flush=True)
+                  f"(epoch {oldest}) to hold at most {self.held:,} claims and {self.held_bytes:,} bytes of them",
+                  flush=True)
 
 
 class ClaimKeeper(threading.Thread):
@@ -119,7 +159,7 @@ class ClaimKeeper(threading.Thread):
         self.halted = threading.Event()
 
     def run(self) -> None:
-        while not self.halted.wait(self.interval):
+        while not self.halted.wait(min(self.interval, BACKLOG_INTERVAL) if self.outbox.backlog else self.interval):
             try:
                 self.tick()
             except Exception as e:  # the DHT briefly unavailable: the record still lives, try again

@@ -77,8 +77,8 @@ def add_record_validators(dht: DHT, run_id: str, private_key=None) -> RSASignatu
 
 
 # Claim outboxes (dedloc_worker.claims.ClaimOutbox) by the public key that signs the records: the training loop
-# calls publish_metrics with the record alone, and the outbox its process registered adds every claim the
-# coordinator has not acknowledged yet.
+# calls publish_metrics with the record alone, and the outbox its process registered puts in the oldest claims the
+# coordinator has not acknowledged yet (all of them, or as many as fit a record).
 _OUTBOXES: Dict[bytes, object] = {}
 
 
@@ -93,7 +93,7 @@ def use_outbox(signature: RSASignatureValidator, outbox) -> None:
 def publish_metrics(dht: DHT, run_id: str, signature: RSASignatureValidator, record: MetricsRecord,
                     outbox=None) -> bool:
     """Store this peer's metrics record, signed with its key; True when the DHT accepted it. With a claim outbox
-    (given, or registered with ``use_outbox``) the record carries every unacknowledged claim."""
+    (given, or registered with ``use_outbox``) the record carries the oldest unacknowledged claims."""
     outbox = outbox if outbox is not None else _OUTBOXES.get(signature.local_public_key)
     if outbox is None:
         return store_metrics(dht, run_id, signature, record)
