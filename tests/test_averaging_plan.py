@@ -124,6 +124,8 @@ def test_hivemind_internals_are_those_the_planned_averager_was_written_against()
     # the window: what a sender streams to an aggregator, and where the aggregator's results are taken in
     communicate = inspect.getsource(AllReduceRunner._communicate_with_peer)
     assert "self._generate_input_for_peer(peer_index)" in communicate
+    # where CountingAllReduceRunner counts the results coming back (the parts going out: _generate_input_for_peer)
+    assert "self._get_peer_stub(peer_id).rpc_aggregate_part(inputs_aiter)" in communicate
     assert "self.tensor_part_container.register_processed_part(peer_index, part_index, delta)" in communicate
     runner_init = inspect.getsource(AllReduceRunner.__init__)
     for attribute in ("self.parts_for_local_averaging", "self.tensor_part_container", "self.tensor_part_reducer"):
@@ -226,6 +228,13 @@ def ids(averagers) -> list[str]:
     return [str(averager.peer_id) for averager in averagers]
 
 
+def payload_bytes(outcome: RoundOutcome) -> int:
+    """The fp32 bytes one member of an uncompressed round moves each way: the vector less its own share goes to the
+    other aggregators and comes back averaged, and each other member's copy of its share comes in and goes back."""
+    others = len(outcome.peer_ids) - 1
+    return 4 * (outcome.total_elements - outcome.aggregated_elements + others * outcome.aggregated_elements)
+
+
 @pytest.mark.parametrize("shares", [(0.6, 0.3, 0.1), (0.7, 0.3, 0.0)], ids=["60-30-10", "with-a-zero-share"])
 def test_a_plan_splits_the_vector_as_given_and_keeps_the_exact_weighted_mean(three_averagers, shares):
     plan = dict(zip(ids(three_averagers), shares))
@@ -243,6 +252,11 @@ def test_a_plan_splits_the_vector_as_given_and_keeps_the_exact_weighted_mean(thr
         assert dict(zip(outcome.peer_ids, outcome.fractions)) == pytest.approx(plan)
         # the shares fall on part boundaries here, so hivemind's part-wise split hits them to the element
         assert abs(outcome.aggregated_elements - share * ELEMENTS) <= 1, (peer, outcome.aggregated_elements)
+        # what the round moved over this peer's links, as its link report tells the planner
+        assert (outcome.transfers.sent, outcome.transfers.received) == (payload_bytes(outcome),) * 2, (peer, outcome)
+    # 60-30-10: the first peer moves 4 * (40,000 + 2 * 60,000) bytes each way, the last 4 * (90,000 + 2 * 10,000)
+    sent = [outcomes[peer].transfers.sent for peer in plan]
+    assert sent == [4 * (ELEMENTS + (len(plan) - 2) * round(share * ELEMENTS)) for share in shares]
 
 
 def test_peers_the_plan_does_not_name_and_no_plan_at_all_fall_back_to_hivemind(three_averagers):
@@ -265,6 +279,9 @@ def test_peers_the_plan_does_not_name_and_no_plan_at_all_fall_back_to_hivemind(t
     # hivemind's runner, hold-back included and no window
     assert not outcomes[first].planned and not outcomes[first].streamed and outcomes[first].most_in_flight is None
     assert outcomes[first].fractions == pytest.approx([1 / 3] * 3, abs=1 / ELEMENTS)
+    # ... which counts what it moved too
+    for peer, outcome in outcomes.items():
+        assert (outcome.transfers.sent, outcome.transfers.received) == (payload_bytes(outcome),) * 2, (peer, outcome)
 
 
 def test_averagers_meet_only_under_the_same_group_key(three_averagers):

@@ -9,7 +9,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from app.coordinator.planning import CPU_REDUCE_BPS, LinkSeen, group_bits, profiles_of, step_options
+from sqlalchemy import select
+
+from app.coordinator.planning import (CPU_REDUCE_BPS, ROUND_FRESH_S, ROUND_MIN_BYTES, LinkSeen, PlanKeeper, group_bits,
+                                      link_figures, profiles_of, step_options)
+from app.core.config import Settings
+from app.models import AveragingPlan
+from app.runs import registry
 from app.planner import (
     PeerProfile,
     PlanningError,
@@ -218,6 +224,75 @@ def test_profiles_carry_measured_compute_and_what_aggregating_costs_a_cpu_peer()
     assert (cpu.samples_per_second, cpu.reduce_costs_training, cpu.reduce_bps) == (120.0, True, CPU_REDUCE_BPS)
     assert (gpu.samples_per_second, gpu.reduce_costs_training, gpu.reduce_bps) == (900.0, False, math.inf)
     assert aux.samples_per_second == 0.0  # an auxiliary peer trains nothing, whatever its record says
+
+
+# --- which link figures the planner uses: the portal probe's or a round's ---------------------------------------
+
+NOW = 1_750_000_000.0  # unix seconds, the clock workers date rounds and measurements with
+
+
+def probed_and_averaged(**changes) -> LinkReport:
+    """Probed at 10/20 Mbit/s five minutes ago; the last round, 10 s ago, moved 50 MB each way in 2 s (200 Mbit/s)."""
+    link = LinkReport(upload_bps=10 * MBIT, download_bps=20 * MBIT, measured_at=NOW - 300, round_seconds=2.0,
+                      round_sent_bytes=50_000_000, round_received_bytes=50_000_000, round_ended=NOW - 10)
+    return link.copy(update=changes)
+
+
+PROBED = (10 * MBIT, 20 * MBIT, "portal")
+
+
+def test_the_planner_takes_a_newer_recent_round_over_the_portal_probe():
+    assert link_figures(probed_and_averaged(), NOW) == (25e6, 25e6, "round")
+    # upload and download each: a round that beats the probe one way only keeps the probe's other figure
+    lopsided = probed_and_averaged(round_received_bytes=4_200_000)  # 2.1 MB/s down, below the probe's 2.5 MB/s
+    assert link_figures(lopsided, NOW) == (25e6, 20 * MBIT, "round")
+    # ... and lifts neither when both are below
+    assert link_figures(probed_and_averaged(round_seconds=40.0), NOW) == PROBED
+
+
+def test_the_planner_keeps_the_probe_when_the_round_is_older_stale_small_or_absent():
+    assert link_figures(probed_and_averaged(measured_at=NOW - 5), NOW) == PROBED  # re-measured since the round
+    assert link_figures(probed_and_averaged(), NOW - 10 + ROUND_FRESH_S) == (25e6, 25e6, "round")
+    assert link_figures(probed_and_averaged(), NOW + ROUND_FRESH_S) == PROBED  # the round is over 10 min old
+    # a round of a small model is mostly latency: below the probe's size either way says nothing of bandwidth
+    assert link_figures(probed_and_averaged(round_sent_bytes=ROUND_MIN_BYTES - 1), NOW) == PROBED
+    assert link_figures(probed_and_averaged(round_received_bytes=ROUND_MIN_BYTES - 1), NOW) == PROBED
+    # a worker from before rounds were counted (and dated) sends the defaults
+    older = LinkReport(upload_bps=10 * MBIT, download_bps=20 * MBIT, round_seconds=2.0, round_planned=True)
+    assert link_figures(older, NOW) == PROBED
+
+
+def test_a_peer_whose_probe_failed_is_planned_from_its_rounds():
+    unprobed = probed_and_averaged(upload_bps=0.0, download_bps=0.0, measured_at=0.0)
+    never = LinkReport()
+    seen = [LinkSeen("k1", "peer-rounds", "alice", unprobed, "cuda: A100", 900.0),
+            LinkSeen("k2", "peer-nothing", "bob", never, "cuda: A100", 900.0)]
+    (profile,) = profiles_of(seen, NOW)  # bob has no figure at all: hivemind's own split keeps him
+    assert (profile.peer, profile.upload_bps, profile.download_bps) == ("peer-rounds", 25e6, 25e6)
+    assert profiles_of(seen, NOW + ROUND_FRESH_S + 60) == []  # once the round is stale, alice has none either
+
+
+def test_the_published_plan_records_the_figures_it_planned_with(sessions, tmp_path):
+    settings = Settings(database_url="sqlite://", data_dir=tmp_path)
+    alice = LinkSeen("k1", "peer-a", "alice", probed_and_averaged(vector_bytes=50_000_000), "cuda: A100", 900.0,
+                     "reachable")
+    carol = LinkSeen("k3", "peer-c", "carol", LinkReport(upload_bps=10 * MBIT, download_bps=20 * MBIT,
+                                                         measured_at=NOW - 60, client_mode=True,
+                                                         vector_bytes=50_000_000), "cpu: 4 threads", 100.0,
+                     "unreachable")
+    with sessions() as session:
+        run = registry.create_run(session, slug="demo", title="Demo")
+        keeper = PlanKeeper(settings, clock=lambda: 0.0, wall_clock=lambda: NOW)
+        record = keeper.update(session, run, [alice, carol])
+        session.commit()
+        assert record is not None and set(record.shares) == {"peer-a", "peer-c"}
+        (row,) = session.scalars(select(AveragingPlan).where(AveragingPlan.run_id == run.id))
+        entries = {entry["username"]: entry for entry in row.peers}
+    assert [entries["alice"][key] for key in ("upload_bps", "download_bps", "bandwidth_from", "reachability")] == [
+        25e6, 25e6, "round", "reachable"]
+    assert [entries["carol"][key] for key in ("upload_bps", "download_bps", "bandwidth_from", "reachability")] == [
+        10 * MBIT, 20 * MBIT, "portal", "unreachable"]
+    assert entries["carol"]["role"] == "client"
 
 
 def test_the_groups_bench_confines_a_failure_to_its_group():

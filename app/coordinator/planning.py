@@ -1,6 +1,7 @@
 """The coordinator's side of adaptive averaging: from the peers' link reports to a signed plan in the DHT.
 
-Each poll, the peers online with a measured link become ``PeerProfile``s; the ``Replanner`` decides whether a new
+Each poll, the peers online with a measured link become ``PeerProfile``s (bandwidths: ``link_figures``, the portal
+measurement or what the peer's last round achieved, whichever is newer); the ``Replanner`` decides whether a new
 plan replaces the current one (hysteresis); a new plan is signed by the run's authority, written to the database
 (the dashboard's view) and published in the DHT, where workers read it after each epoch and apply it to their
 gradient averager. The current plan is republished every poll (DHT records expire), and the round times the
@@ -34,6 +35,32 @@ ATTESTATION_PARTS = 2
 # Bytes per second of parts a CPU peer aggregates, on the cores it trains on: four peers on 2 cores are CPU-bound
 # near 240 Mbit/s each way (docs/benchmarks.md#staying-within-the-cpu), 60 MB/s per core (docs/averaging.md#step).
 CPU_REDUCE_BPS = 60e6
+# A round's figures older than this say little about the link now (the worker re-measures its portal link every
+# 10 minutes: dedloc_worker.planning.LINK_REMEASURE).
+ROUND_FRESH_S = 600.0
+# Below this many bytes each way a round's time is mostly latency and matchmaking stragglers, not bandwidth: the
+# size of the worker's portal probe (dedloc_worker.portal.measure_link).
+ROUND_MIN_BYTES = 4 * 1024 * 1024
+
+
+def link_figures(link: LinkReport, now: float) -> tuple[float, float, str]:
+    """(upload, download) in bytes per second the planner uses for a peer, and their source, "round" or "portal".
+
+    What the peer's last round achieved (payload bytes each way over its seconds) where that round is newer than
+    the portal measurement, at most ``ROUND_FRESH_S`` old, and moved at least ``ROUND_MIN_BYTES`` each way; the
+    portal measurement otherwise. A round's figure is a floor, not a ceiling: a peer that is not its group's
+    bottleneck finishes when the slowest member does, and its bytes follow the share the plan gave it, so
+    planning with a figure below the measured one would feed the plan back into its own input (a small share, a
+    slow-looking peer, a smaller share). Above it, the round shows what the portal probe missed (a portal farther
+    away or busier than the peers); a peer whose probe failed is planned from its rounds alone.
+    """
+    fresh = 0.0 < link.round_seconds and 0.0 < link.round_ended and now - link.round_ended <= ROUND_FRESH_S
+    if (fresh and link.round_ended >= link.measured_at
+            and min(link.round_sent_bytes, link.round_received_bytes) >= ROUND_MIN_BYTES):
+        upload, download = link.round_sent_bytes / link.round_seconds, link.round_received_bytes / link.round_seconds
+        if upload > link.upload_bps or download > link.download_bps:
+            return max(upload, link.upload_bps), max(download, link.download_bps), "round"
+    return link.upload_bps, link.download_bps, "portal"
 
 
 def attestation_floor(peers: list[PeerProfile], vector_bytes: float) -> float:
@@ -59,15 +86,19 @@ class LinkSeen:
     reachability: str = ""  # how its mode was decided (contract.REACHABILITY), as its metrics record reports it
 
 
-def profiles_of(peers: Sequence[LinkSeen]) -> list[PeerProfile]:
-    """The planner's view of the peers that measured their link (the others keep hivemind's split): their measured
-    compute, and for a peer that trains on its CPU, what aggregating costs its training."""
-    return [
-        PeerProfile(peer.peer_id, 0.0 if peer.link.aux else peer.samples_per_second, peer.link.upload_bps,
-                    peer.link.download_bps, client_mode=peer.link.client_mode, aux=peer.link.aux,
-                    **cpu_cost(peer.hardware))
-        for peer in peers if peer.link.upload_bps > 0 and peer.link.download_bps > 0
-    ]
+def profiles_of(peers: Sequence[LinkSeen], now: Optional[float] = None) -> list[PeerProfile]:
+    """The planner's view of the peers with a figure for their link (the others keep hivemind's split): their
+    bandwidths (``link_figures`` at ``now``, unix seconds, default the current time), their measured compute, and
+    for a peer that trains on its CPU, what aggregating costs its training."""
+    now = time.time() if now is None else now
+    profiles = []
+    for peer in peers:
+        upload, download, _ = link_figures(peer.link, now)
+        if upload > 0 and download > 0:
+            profiles.append(PeerProfile(peer.peer_id, 0.0 if peer.link.aux else peer.samples_per_second, upload,
+                                        download, client_mode=peer.link.client_mode, aux=peer.link.aux,
+                                        **cpu_cost(peer.hardware)))
+    return profiles
 
 
 def cpu_cost(hardware: str) -> dict:
@@ -107,8 +138,9 @@ class PlanKeeper:
     """Keeps one run's averaging plan current. ``update`` once per poll; returns the record to publish."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic, min_interval_s: float = 30.0,
-                 config: Optional[RunConfig] = None):
-        self.settings, self.clock, self.min_interval_s = settings, clock, min_interval_s
+                 config: Optional[RunConfig] = None, wall_clock: Callable[[], float] = time.time):
+        """:param wall_clock: unix seconds, the clock the workers date their rounds and measurements with"""
+        self.settings, self.clock, self.min_interval_s, self.wall_clock = settings, clock, min_interval_s, wall_clock
         self.step = step_options(config) if config is not None else None  # None: plan the round alone
         self.replanner: Optional[Replanner] = None
         self.vector_bytes = 0
@@ -117,7 +149,8 @@ class PlanKeeper:
 
     def update(self, session: Session, run: Run, peers: Sequence[LinkSeen]) -> Optional[PlanRecord]:
         """Re-plan if the peers call for it; note the measured round time; the plan to publish now, or None."""
-        profiles = profiles_of(peers)
+        now = self.wall_clock()
+        profiles = profiles_of(peers, now)
         vector_bytes = max((peer.link.vector_bytes for peer in peers), default=0)
         if len(profiles) >= 2 and vector_bytes > 0:
             if vector_bytes != self.vector_bytes:  # a new task or model: old plans say nothing about it
@@ -132,12 +165,14 @@ class PlanKeeper:
                 logger.warning("no averaging plan for these peers: %s", e)
                 plan = None
             if plan is not None:
-                self._adopt(session, run, plan, peers, self.replanner.last_reason)
+                self._adopt(session, run, plan, peers, self.replanner.last_reason, now)
         self._note_measured(session, peers)
         return self.record
 
-    def _adopt(self, session: Session, run: Run, plan: Plan, peers: Sequence[LinkSeen], reason: str) -> None:
+    def _adopt(self, session: Session, run: Run, plan: Plan, peers: Sequence[LinkSeen], reason: str,
+               now: float) -> None:
         issued_at = time.time()
+        figures = {peer.peer_id: link_figures(peer.link, now) for peer in peers}
         groups = group_bits(plan)
         signature = tokens.sign_plan(session, self.settings, run,
                                      plan_payload(plan.shares, plan.predicted_seconds, issued_at, groups))
@@ -149,7 +184,9 @@ class PlanKeeper:
             # peer_key: the plan's public view labels each peer with its key's fingerprint, as its owner's page does
             peers=[dict(peer_id=peer.peer_id, peer_key=peer.peer_key, username=peer.username,
                         share=plan.shares.get(peer.peer_id, 0.0), role=role_of(peer.link),
-                        upload_bps=peer.link.upload_bps, download_bps=peer.link.download_bps,
+                        # the figures planned with, and whether the portal probe or a round gave them
+                        upload_bps=figures[peer.peer_id][0], download_bps=figures[peer.peer_id][1],
+                        bandwidth_from=figures[peer.peer_id][2],
                         # the kind only ("cuda", "cpu"): the public plan does not name a volunteer's GPU model
                         device=peer.hardware.split(":", 1)[0] if peer.hardware else "",
                         # what the solution gives it to do, and its averaging group (docs/averaging.md#groups)

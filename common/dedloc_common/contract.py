@@ -206,7 +206,10 @@ EpochContribution.update_forward_refs(Attestation=Attestation)
 class LinkReport(pydantic_v1.BaseModel):
     """How a peer takes part in averaging, as it measured itself; the planner's input.
 
-    Bandwidths are bytes per second, measured by the worker with timed transfers to the portal (never typed in).
+    Bandwidths are bytes per second, measured by the worker with timed transfers to the portal (never typed in), at
+    join and again every few minutes (``measured_at``). The ``round_*`` fields say what its last complete all-reduce
+    achieved with its peers; the coordinator plans with whichever of the two figures is newer
+    (``app.coordinator.planning.link_figures``). Fields are only ever added: older workers send their defaults.
     """
 
     upload_bps: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
@@ -217,6 +220,14 @@ class LinkReport(pydantic_v1.BaseModel):
     # This peer's last all-reduce (after matchmaking), seconds; 0 before the first. planned: the round used a plan.
     round_seconds: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
     round_planned: pydantic_v1.StrictBool = False
+    # When the portal measurement above was taken (unix seconds); 0: not said (a worker before this field).
+    measured_at: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
+    # What that last round moved over this peer's links: payload bytes of the tensor parts it sent and received
+    # (its own share never leaves it; dedloc_worker.averaging.Transfers), and when it ended (unix seconds); 0 before
+    # the first complete round.
+    round_sent_bytes: pydantic_v1.conint(ge=0, strict=True) = 0
+    round_received_bytes: pydantic_v1.conint(ge=0, strict=True) = 0
+    round_ended: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
 
 
 class MetricsRecord(pydantic_v1.BaseModel):

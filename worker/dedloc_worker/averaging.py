@@ -14,7 +14,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, AsyncIterator, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllReduceRunner, AveragingMode
@@ -78,6 +78,18 @@ def _hivemind_fractions(
 
 
 @dataclass
+class Transfers:
+    """Payload bytes one all-reduce moved over the network, counted by this peer: the serialized tensor parts it
+    sent (its vector's parts to the other aggregators and, as an aggregator, the averaged results back to each
+    sender) and received (the averaged results of its parts and, as an aggregator, the senders' parts). Its own
+    share never crosses the network and is not counted, nor are protobuf framing, the muxer and TLS. Compressed
+    parts count as sent (fp16: 2 bytes per value)."""
+
+    sent: int = 0
+    received: int = 0
+
+
+@dataclass
 class RoundOutcome:
     """What this peer saw of its last all-reduce (the averaging after matchmaking).
 
@@ -97,6 +109,8 @@ class RoundOutcome:
       only; None where hivemind's runner ran)
     :param weight_cap: the most weight (samples) this aggregator let a sender carry; None without robust rule
     :param attested: PeerID -> what this aggregator cut from that sender (``robust.Attestation.as_record``)
+    :param transfers: the payload bytes the round moved over the network, as this peer counted them (read when
+      the outcome is asked for: an aggregator may still be streaming results to a slower member)
     """
 
     peer_ids: List[str]
@@ -113,6 +127,7 @@ class RoundOutcome:
     most_in_flight: Optional[int] = None
     weight_cap: Optional[float] = None
     attested: Dict[str, dict] = field(default_factory=dict)
+    transfers: Transfers = field(default_factory=Transfers)
 
     @property
     def seconds(self) -> float:
@@ -125,12 +140,61 @@ class RoundOutcome:
         return self.error is None and self.failed_elements == 0 and self.missing_inputs == 0
 
 
+async def _count_received(stream: AsyncIterator[Any], transfers: Transfers) -> AsyncIterator[Any]:
+    async for message in stream:
+        transfers.received += len(message.tensor_part.buffer)
+        yield message
+
+
+class _CountingStub:
+    """A peer's averager stub whose ``rpc_aggregate_part`` answers count into ``transfers``."""
+
+    def __init__(self, stub: Any, transfers: Transfers) -> None:
+        self._stub, self._transfers = stub, transfers
+
+    async def rpc_aggregate_part(self, inputs: AsyncIterator[Any], timeout: Optional[float] = None):
+        stream = await (self._stub.rpc_aggregate_part(inputs) if timeout is None
+                        else self._stub.rpc_aggregate_part(inputs, timeout=timeout))
+        return _count_received(stream, self._transfers)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._stub, name)
+
+
+class CountingAllReduceRunner(AllReduceRunner):
+    """hivemind's all-reduce, unchanged, that counts the payload bytes it sends and receives (``Transfers``): what
+    the round achieved over this peer's links, which its link report carries to the planner.
+
+    :param transfers: where to count (``RoundOutcome.transfers``); a fresh one if not given
+    """
+
+    def __init__(self, *args: Any, transfers: Optional[Transfers] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.transfers = transfers if transfers is not None else Transfers()
+
+    def _get_peer_stub(self, peer):
+        # as a sender: the averaged results each aggregator streams back
+        return _CountingStub(super()._get_peer_stub(peer), self.transfers)
+
+    async def _generate_input_for_peer(self, peer_index: int):
+        # as a sender: this peer's parts, as each is handed to the stream
+        async for message in super()._generate_input_for_peer(peer_index):
+            self.transfers.sent += len(message.tensor_part.buffer)
+            yield message
+
+    async def rpc_aggregate_part(self, stream, context):
+        # as an aggregator: a sender's parts in, the averaged results out
+        async for message in super().rpc_aggregate_part(_count_received(stream, self.transfers), context):
+            self.transfers.sent += len(message.tensor_part.buffer)
+            yield message
+
+
 IN_FLIGHT_PARTS = 4
 """Parts a peer sends an aggregator ahead of the averaged results that came back from it: 1 would serialize upload
 and download, unlimited starves the download (docs/benchmarks.md#window-of-parts-in-flight)."""
 
 
-class StreamingAllReduceRunner(AllReduceRunner):
+class StreamingAllReduceRunner(CountingAllReduceRunner):
     """hivemind's all-reduce without the hold-back, and with a window: averaged parts go back to every peer as
     they are ready, and a peer sends an aggregator at most ``IN_FLIGHT_PARTS`` parts ahead of their results.
 
@@ -249,9 +313,10 @@ class PlannedAverager(DecentralizedAverager):
                     outcome.weight_cap = (math.inf if self._previous_ended is None else
                                           self._robust.weight_cap(outcome.began - self._previous_ended))
                 try:
-                    runner_type = StreamingAllReduceRunner if outcome.planned else AllReduceRunner
+                    runner_type = StreamingAllReduceRunner if outcome.planned else CountingAllReduceRunner
                     await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions,
-                                                       runner_type=runner_type, **kwargs)
+                                                       runner_type=runner_type, transfers=outcome.transfers,
+                                                       **kwargs)
                 except BaseException as e:
                     outcome.error = repr(e)
                     raise
@@ -266,7 +331,7 @@ class PlannedAverager(DecentralizedAverager):
 
     async def _run_allreduce_inplace_(
         self, tensors, group_info: GroupInfo, group_id: Optional[bytes] = None,
-        runner_type: type = AllReduceRunner, **kwargs: Any
+        runner_type: type = CountingAllReduceRunner, **kwargs: Any
     ) -> None:
         """hivemind's ``_run_allreduce_inplace_`` with the runner's class as a parameter (the rest as in 1.1.12)."""
         group_id = group_info.group_id if group_id is None else group_id

@@ -54,7 +54,7 @@ def _join(args, stop, folder: Path, placement):
     from .keeper import AdmissionKeeper
     from .claims import ClaimKeeper, ClaimOutbox
     from .identity import PeerIdentity
-    from .planning import PlanFollower, link_report
+    from .planning import LinkMeter, PlanFollower, link_report
     from .portal import RunWatch, fetch_denylist, fetch_join_info, measure_link, request_peer_token, wait_for_peers
     from .progress import ProgressDisplay
     from .receipts import ReceiptLog, note_own_rounds
@@ -82,7 +82,7 @@ def _join(args, stop, folder: Path, placement):
     role = " as an auxiliary peer" if args.aux else ""
     print(f"joining run {config.slug!r} as {username}{role}: task {config.task}, "
           f"global batch {config.target_batch_size} samples, on {placement.description}", flush=True)
-    measured = measure_link(args.portal, args.run, credential)
+    measured, measured_at = measure_link(args.portal, args.run, credential), time.time()
     if measured:
         print(f"link to the portal: {8 * measured[0] / 1e6:,.0f} Mbit/s up, "
               f"{8 * measured[1] / 1e6:,.0f} Mbit/s down", flush=True)
@@ -98,8 +98,8 @@ def _join(args, stop, folder: Path, placement):
     if client_mode and not args.client:  # an address nobody can dial would slow every round it is planned into
         dht.shutdown()
         dht = join_swarm(args, info, deadline, identity.identity_path, authorizer, client_mode=True)
-    link = link_report(measured, task.model.parameters(), client_mode, args.aux)
-    keeper = follower = watch = claims = signature = None
+    link = link_report(measured, task.model.parameters(), client_mode, args.aux, measured_at=measured_at)
+    keeper = follower = meter = watch = claims = signature = None
     try:
         signature = add_record_validators(dht, config.run_id, identity.private_key)
         # Every claim stays in this peer's metrics record, kept alive, until the coordinator acknowledges it.
@@ -116,7 +116,10 @@ def _join(args, stop, folder: Path, placement):
         # Peers must know our token before our first all-reduce part reaches them, and we theirs.
         keeper.ready.wait(timeout=15)
         time.sleep(keeper.interval)
-        follower = PlanFollower(dht, config.run_id, check, link)
+        # The link again every few minutes, in a thread of its own, right after a round where it can
+        meter = LinkMeter(lambda: measure_link(args.portal, args.run, credential))
+        meter.start()
+        follower = PlanFollower(dht, config.run_id, check, link, meter=meter)
         follower.start()
         # Organizers' pauses reach a worker within a few matchmaking times (10 s at most).
         watch = RunWatch(args.portal, args.run, config.state,
@@ -134,7 +137,7 @@ def _join(args, stop, folder: Path, placement):
         return result
     finally:
         # All asked at once, then a shared grace: one thread inside a slow DHT read must not hold the others up.
-        threads = [thread for thread in (watch, follower, keeper, claims) if thread is not None]
+        threads = [thread for thread in (watch, follower, meter, keeper, claims) if thread is not None]
         for thread in threads:
             thread.halt(timeout=0)
         grace = time.monotonic() + HALT_GRACE

@@ -1,8 +1,10 @@
 """This peer's side of adaptive averaging: report its link, follow the coordinator's plan.
 
-The worker measures its upload and download once at join (``portal.measure_link``) and repeats them in every
-metrics record with its role and its last all-reduce's duration; the coordinator plans from those reports and
-publishes a plan signed by the run's authority. A thread reads the newest plan every second; after each epoch the
+The worker measures its upload and download at join (``portal.measure_link``) and again every ``LINK_REMEASURE``
+seconds in a thread of its own (``LinkMeter``), and repeats them in every metrics record with its role and what its
+last all-reduce achieved with its peers (seconds, and the payload bytes it sent and received:
+``averaging.Transfers``); the coordinator plans from those reports and publishes a plan signed by the run's
+authority. A thread reads the newest plan every second; after each epoch the
 training loop gives it to the gradient averager (``averaging.PlannedGradientAverager.set_plan``), which announces
 its share to its group, and puts the averager in the plan's group (``group_bits_for``, docs/averaging.md#groups).
 """
@@ -11,13 +13,60 @@ from __future__ import annotations
 
 import hashlib
 import threading
-from typing import Optional
+import time
+from typing import Callable, Optional
 
 from dedloc_common.contract import LinkReport, PlanRecord
 from .records import read_plan
 
 ROUND_QUERY_TIMEOUT = 2.0  # seconds to wait for the averager process to say how its last round went
 PLAN_POLL = 1.0  # seconds between two reads of the run's plan: a new plan reaches the next round
+LINK_REMEASURE = 600.0  # seconds between two measurements of this peer's link to the portal
+# seconds a due measurement waits for an averaging round to end, so that the probe's transfers and a round's rarely
+# share the link (a round ends every epoch; a peer that is paused or between epochs measures after this)
+QUIET_WAIT = 120.0
+
+
+class LinkMeter(threading.Thread):
+    """Re-measures this peer's link every ``interval`` seconds in its own thread, so training never waits for it.
+
+    A due measurement starts as soon as the follower reports a round's end (``round_ended``), or after
+    ``quiet_wait`` seconds without one. A failed measurement (the portal unreachable) keeps the previous figures.
+
+    :param measure: () -> (upload, download) in bytes per second, or None (``portal.measure_link`` for this run)
+    :ivar latest: (upload, download, when: unix seconds) of the newest measurement; None before the first
+    """
+
+    def __init__(self, measure: Callable[[], Optional[tuple[float, float]]], interval: float = LINK_REMEASURE,
+                 quiet_wait: float = QUIET_WAIT, clock: Callable[[], float] = time.time):
+        super().__init__(name="dedloc-link-meter", daemon=True)
+        self.measure, self.interval, self.quiet_wait, self.clock = measure, interval, quiet_wait, clock
+        self.latest: Optional[tuple[float, float, float]] = None  # written by this thread only
+        self.halted = threading.Event()
+        self._round_ended = threading.Event()
+
+    def run(self) -> None:
+        while not self.halted.wait(self.interval):
+            self._round_ended.clear()
+            self._round_ended.wait(self.quiet_wait)
+            if self.halted.is_set():
+                return
+            try:
+                measured = self.measure()
+            except Exception as e:  # a measurement is never worth ending the worker for
+                print(f"link measurement: {type(e).__name__}: {e}; keeping the previous figures", flush=True)
+                measured = None
+            if measured is not None:
+                self.latest = (float(measured[0]), float(measured[1]), float(self.clock()))
+
+    def round_ended(self) -> None:
+        """An averaging round has just ended: a due measurement may start now."""
+        self._round_ended.set()
+
+    def halt(self, timeout: float = 10.0) -> None:
+        self.halted.set()
+        self._round_ended.set()
+        self.join(timeout=timeout)
 
 
 class PlanFollower(threading.Thread):
@@ -29,11 +78,14 @@ class PlanFollower(threading.Thread):
     :param link: what this peer measured of its link at join (bandwidths in bytes per second) and its role
     :param check: ``admission.TokenCheck`` holding the run's authority key, which signs plans
     :param interval: seconds between two reads of the plan
+    :param meter: the ``LinkMeter`` whose newer measurements replace the link's figures; None: the join's stay
     """
 
-    def __init__(self, dht, run_id: str, check, link: LinkReport, interval: float = PLAN_POLL):
+    def __init__(self, dht, run_id: str, check, link: LinkReport, interval: float = PLAN_POLL,
+                 meter: Optional[LinkMeter] = None):
         super().__init__(name="dedloc-plan", daemon=True)
         self.dht, self.run_id, self.check, self.link, self.interval = dht, run_id, check, link, interval
+        self.meter = meter
         self.newest: Optional[PlanRecord] = None  # written by this thread
         self.applied: Optional[PlanRecord] = None  # by the training loop
         self.halted = threading.Event()
@@ -55,7 +107,8 @@ class PlanFollower(threading.Thread):
         self.join(timeout=timeout)
 
     def after_epoch(self, averager) -> LinkReport:
-        """Apply a newer plan if one was read; returns the link report with the last round's figures."""
+        """Apply a newer plan if one was read; returns the link report with the newest measurement and the last
+        complete round's figures."""
         plan = self.newest
         if plan is not None and plan is not self.applied:
             averager.set_plan(plan.shares)
@@ -67,8 +120,18 @@ class PlanFollower(threading.Thread):
             last = averager.last_round(timeout=ROUND_QUERY_TIMEOUT)
         except Exception:  # the averager is busy or shutting down: report the previous figures
             last = None
-        if last is not None and last.complete:
-            self.link = self.link.copy(update=dict(round_seconds=round(last.seconds, 4), round_planned=last.planned))
+        # ended > began: a finished round (the outcome of one under way is complete too, having failed nothing yet)
+        if last is not None and last.complete and last.ended > last.began:
+            self.link = self.link.copy(update=dict(
+                round_seconds=round(last.seconds, 4), round_planned=last.planned, round_ended=float(last.ended),
+                round_sent_bytes=int(last.transfers.sent), round_received_bytes=int(last.transfers.received)))
+        if self.meter is not None:
+            self.meter.round_ended()
+            latest = self.meter.latest
+            if latest is not None and latest[2] > self.link.measured_at:
+                upload, download, measured_at = latest
+                self.link = self.link.copy(update=dict(upload_bps=upload, download_bps=download,
+                                                       measured_at=measured_at))
         return self.link
 
 
@@ -83,9 +146,12 @@ def group_bits_for(plan: PlanRecord, peer_id: str) -> str:
     return keys[int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % len(keys)]
 
 
-def link_report(measured: Optional[tuple[float, float]], params, client_mode: bool, aux: bool) -> LinkReport:
-    """The initial report: measured (upload, download) bytes/s or None, and the averaged vector's size."""
+def link_report(measured: Optional[tuple[float, float]], params, client_mode: bool, aux: bool,
+                measured_at: Optional[float] = None) -> LinkReport:
+    """The initial report: measured (upload, download) bytes/s or None (taken at ``measured_at``, unix seconds;
+    now if not given), and the averaged vector's size."""
     upload, download = measured or (0.0, 0.0)
     vector_bytes = sum(p.numel() for p in params if p.requires_grad) * 4  # gradients are averaged as float32
+    when = 0.0 if measured is None else float(time.time() if measured_at is None else measured_at)
     return LinkReport(upload_bps=float(upload), download_bps=float(download), client_mode=client_mode, aux=aux,
-                      vector_bytes=int(vector_bytes))
+                      vector_bytes=int(vector_bytes), measured_at=when)
