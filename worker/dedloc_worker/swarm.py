@@ -84,6 +84,13 @@ class AccountedOptimizer(hivemind.Optimizer):
         super().__init__(*args, **kwargs)
         self.finished_epochs: List[FinishedEpoch] = []
 
+    def _make_progress_tracker(self, target_batch_size: int, **kwargs):
+        from .tracker import ThrottledProgressTracker
+
+        return ThrottledProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
+                                        client_mode=self.client_mode, status_loglevel=self.status_loglevel,
+                                        start=True, **kwargs)
+
     def _update_global_epoch(self, grad_scaler) -> None:
         samples = self.grad_averager.local_samples_accumulated
         super()._update_global_epoch(grad_scaler)
