@@ -77,22 +77,32 @@ class AdmissionState:
     def __init__(self, folder: Path):
         self.folder = folder
         self.token_path, self.allow_path = folder / "token.bin", folder / "admitted.json"
-        self._cache: tuple[int, dict] = (-1, {"peers": {}, "denied": []})
+        self._cache: tuple[tuple, dict] = ((), {"peers": {}, "denied": []})
+        self._token_cache: tuple[tuple, bytes] = ((), b"")
 
     def write_token(self, token: AccessToken) -> None:
         self._write(self.token_path, token.SerializeToString())
 
     def read_token(self) -> AccessToken:
-        return AccessToken.FromString(self.token_path.read_bytes())
+        return AccessToken.FromString(self.token_bytes())
+
+    def token_bytes(self) -> bytes:
+        """The token file's bytes, read again only when the keeper has replaced it (the DHT asks on every RPC)."""
+        found = self.token_path.stat()
+        stamp = (found.st_mtime_ns, found.st_ino)  # each write replaces the file: a new inode, even within a tick
+        if stamp != self._token_cache[0]:
+            self._token_cache = (stamp, self.token_path.read_bytes())
+        return self._token_cache[1]
 
     def write_admitted(self, peers: dict[str, float], denied: list[str]) -> None:
         self._write(self.allow_path, json.dumps({"peers": peers, "denied": sorted(denied)}).encode())
 
     def admitted(self) -> dict:
         try:
-            stamp = self.allow_path.stat().st_mtime_ns
+            found = self.allow_path.stat()
         except FileNotFoundError:
             return {"peers": {}, "denied": []}
+        stamp = (found.st_mtime_ns, found.st_ino)
         if stamp != self._cache[0]:
             self._cache = (stamp, json.loads(self.allow_path.read_text()))
         return self._cache[1]
@@ -125,7 +135,7 @@ class RunAuthorizer(TokenAuthorizerBase):
 
     def does_token_need_refreshing(self, access_token: AccessToken) -> bool:
         # The keeper refreshes the file well before expiry; pick up whatever it wrote.
-        return access_token.SerializeToString() != self.state.token_path.read_bytes()
+        return access_token.SerializeToString() != self.state.token_bytes()
 
 
 async def wait_admitted(state: AdmissionState, peer_id: str, grace: float = NEWCOMER_GRACE) -> bool:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import os
+import ssl
 import threading
 import time
 
@@ -14,11 +16,18 @@ from dedloc_common.contract import (API_PREFIX, JoinInfo, PeerTokenGrant, PeerTo
 from .errors import AdmissionError, ConfigError, PortalError, WorkerError
 
 
+@functools.lru_cache(maxsize=None)
+def tls() -> ssl.SSLContext:
+    """One TLS context per process, as httpx would build it: building one loads the CA bundle (40-160 ms of CPU
+    here), and the keepers ask the portal every few seconds (docs/benchmarks.md#where-a-swarm-spends-its-cpu)."""
+    return httpx.create_ssl_context()
+
+
 def fetch_join_info(portal_url: str, slug: str, transport: httpx.BaseTransport | None = None) -> JoinInfo:
     """The run's config and initial peers; ``ConfigError`` for an unknown run, ``PortalError`` otherwise."""
     url = f"{portal_url.rstrip('/')}{API_PREFIX}/runs/{slug}/join"
     try:
-        with httpx.Client(transport=transport, timeout=10) as client:
+        with httpx.Client(transport=transport, verify=tls(), timeout=10) as client:
             response = client.get(url)
     except httpx.HTTPError as e:
         raise PortalError(f"cannot reach the portal at {portal_url} ({e}); check the address and your network")
@@ -66,7 +75,7 @@ def request_peer_token(portal_url: str, slug: str, credential: str, public_key: 
     url = f"{portal_url.rstrip('/')}{API_PREFIX}/runs/{slug}/peer-tokens"
     body = PeerTokenRequest(public_key=public_key.decode()).model_dump()
     try:
-        with httpx.Client(transport=transport, timeout=15) as client:
+        with httpx.Client(transport=transport, verify=tls(), timeout=15) as client:
             response = client.post(url, json=body, headers={"Authorization": f"Bearer {credential}"})
     except httpx.HTTPError as e:
         raise PortalError(f"cannot reach the portal at {portal_url} ({e}); check the address and your network")
@@ -87,7 +96,7 @@ def fetch_denylist(portal_url: str, slug: str, credential: str,
     """The run's denylist as the portal signs it now; ``PortalError`` when it cannot be had."""
     url = f"{portal_url.rstrip('/')}{API_PREFIX}/runs/{slug}/denylist"
     try:
-        with httpx.Client(transport=transport, timeout=10) as client:
+        with httpx.Client(transport=transport, verify=tls(), timeout=10) as client:
             response = client.get(url, headers={"Authorization": f"Bearer {credential}"})
         response.raise_for_status()
         return SignedDenylist.model_validate_json(response.content)
@@ -111,7 +120,7 @@ def measure_link(portal_url: str, slug: str, credential: str, size: int = 4 * 10
     payload = os.urandom(size)  # incompressible, whatever the transport does
     upload = download = 0.0
     try:
-        with httpx.Client(transport=transport, timeout=60, headers=headers) as client:
+        with httpx.Client(transport=transport, verify=tls(), timeout=60, headers=headers) as client:
             for _ in range(repeats):
                 began = time.perf_counter()
                 client.post(url, content=payload).raise_for_status()
@@ -129,7 +138,7 @@ def check_reachability(portal_url: str, slug: str, credential: str, addrs: list[
     """The portal's dial-back of ``addrs`` (can peers connect to this machine?); None when it cannot tell."""
     url = f"{portal_url.rstrip('/')}{API_PREFIX}/runs/{slug}/reachability"
     try:
-        with httpx.Client(transport=transport, timeout=30) as client:
+        with httpx.Client(transport=transport, verify=tls(), timeout=30) as client:
             response = client.post(url, json={"addrs": addrs[:16]}, headers={"Authorization": f"Bearer {credential}"})
         response.raise_for_status()
         return ReachabilityReport.model_validate_json(response.content)
@@ -171,7 +180,7 @@ def download_checkpoint(portal_url: str, checkpoint, folder) -> "Path":
     target = Path(folder) / f"checkpoint-{checkpoint.epoch}.tar"
     digest = hashlib.sha256()
     try:
-        with httpx.Client(timeout=60, follow_redirects=True) as client, client.stream(
+        with httpx.Client(verify=tls(), timeout=60, follow_redirects=True) as client, client.stream(
                 "GET", httpx.URL(portal_url.rstrip("/") + "/").join(checkpoint.url)) as response:
             response.raise_for_status()
             with target.open("wb") as out:
