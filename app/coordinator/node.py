@@ -9,6 +9,7 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from typing import Optional
 
 import hivemind
 from hivemind.p2p import P2PDaemonError, PeerID
@@ -19,8 +20,8 @@ from dedloc_worker.keeper import AdmissionKeeper
 from dedloc_worker.errors import WorkerError
 from dedloc_worker.identity import persistent_key
 from dedloc_common.contract import AckRecord
-from dedloc_worker.records import (add_record_validators, metrics_ttl, publish_acks, publish_denylist, publish_plan,
-                                   read_metrics, read_progress)
+from dedloc_worker.records import (TOKEN_RECORD_TTL, add_record_validators, metrics_ttl, publish_acks,
+                                   publish_denylist, publish_plan, read_metrics, read_progress)
 from dedloc_worker.swarm import reach_peers
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -95,6 +96,7 @@ class CoordinatorNode:
         self.plans = PlanKeeper(settings, min_interval_s=settings.plan_interval, config=self.config)
         self.checkpointer = None
         self.spot_checker = None
+        self.denylist_sent: tuple[Optional[list], float] = (None, 0.0)  # usernames last published, and when
         self.acked: dict[str, tuple[int, float]] = {}  # peer key -> (epoch acknowledged, when: time.monotonic())
 
     def serve(self, stop: threading.Event) -> None:
@@ -234,7 +236,7 @@ class CoordinatorNode:
         try:
             with self.sessions() as session:
                 run = registry.get_run(session, self.run.slug)  # fresh: organizers change bans and the ceiling live
-                denylist = tokens.signed_denylist(session, self.settings, run)
+                denylist = self._denylist_due(session, run)
                 credit_epochs(session, run, metrics)
                 acks = tokens.signed_acks(session, self.settings, run, self._acks_due(session, run, metrics))
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
@@ -250,13 +252,23 @@ class CoordinatorNode:
             # The records stay in the DHT for minutes: the next poll catches up.
             logger.warning("database unavailable, will retry at the next poll: %s", e)
             return
-        publish_denylist(dht, self.config.run_id, self.signature, denylist)
+        if denylist is not None:
+            publish_denylist(dht, self.config.run_id, self.signature, denylist)
+            self.denylist_sent = (denylist["usernames"], time.monotonic())
         if plan is not None:
             publish_plan(dht, self.config.run_id, self.signature, plan)
         if acks:
             publish_acks(dht, self.config.run_id, self.signature, [AckRecord(**ack) for ack in acks])
             now = time.monotonic()
             self.acked.update({ack["peer_key"]: (ack["epoch"], now) for ack in acks})
+
+    def _denylist_due(self, session, run) -> Optional[dict]:
+        """The signed denylist when it changed or the one published is a third of its lifetime old, else None: each
+        store is signed and sent to every peer, and peers republish it themselves (``keeper.AdmissionKeeper``)."""
+        usernames, (sent, at) = tokens.banned_usernames(session, run), self.denylist_sent
+        if usernames == sent and time.monotonic() - at < TOKEN_RECORD_TTL / 3:
+            return None
+        return tokens.signed_denylist(session, self.settings, run)
 
     def _acks_due(self, session, run, metrics: list[SignedMetrics]) -> dict[str, int]:
         """Peer keys whose records carry claims, with the newest epoch the database holds of theirs, where that is
