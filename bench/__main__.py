@@ -15,6 +15,8 @@
    and ``equivalence.md``.
 7. What spot checks cost a worker and the swarm, on the demo's model (``bench.spot_checks``): ``spot_checks.json``
    and ``spot_checks.md``.
+8. A fresh demo watched for five minutes, then Ctrl-C (``bench.demo``): held samples and their reasons, claims
+   without a round, tracebacks, the stop time: ``demo.json`` and ``demo.md``.
 
 How each bench measures, and what the figures mean: docs/benchmarks.md.
 """
@@ -27,8 +29,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import (emulate_averaging, equivalence, load, robust_cost, simulate_averaging, simulate_groups, spot_checks,
-                   training)
+from bench import (demo, emulate_averaging, equivalence, load, robust_cost, simulate_averaging, simulate_groups,
+                   spot_checks, training)
 from bench.emulate_averaging import ROUNDS
 
 RESULTS = Path("bench/results")
@@ -55,7 +57,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = code or robust_cost.main(["--out", str(RESULTS / "robust_cost.json")])
     code = code or load.main(["--out", str(RESULTS / "load.json")])
     code = code or equivalence.main(["--out", str(RESULTS / "equivalence.json")])
-    return code or spot_checks.main(["--out", str(RESULTS / "spot_checks.json")])
+    code = code or spot_checks.main(["--out", str(RESULTS / "spot_checks.json")])
+    return code or demo.main(["--out", str(RESULTS / "demo.json")])
 
 
 def markdown_table(rows: Sequence[dict]) -> str:

@@ -30,6 +30,22 @@ def spawn(args: Sequence[str], log: Path | None = None, env: dict | None = None,
             out.close()
 
 
+def tagged_processes(variable: str, value: str) -> list[int]:
+    """Live (non-zombie) processes, other than this one, whose environment carries ``variable=value``: all that
+    a command started, whichever process group each moved to (children inherit the environment)."""
+    needle = f"{variable}={value}".encode()
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            alive = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+            if alive and needle in (entry / "environ").read_bytes().split(b"\0"):
+                found.append(int(entry.name))
+        except OSError:
+            continue
+    return found
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of group ``pgid``."""
     return [process.pid for process in live_processes() if process.group == pgid]

@@ -25,6 +25,7 @@ from dedloc_worker.join import CREDENTIAL_ENV
 from app.core.database import make_engine, make_sessionmaker
 from app.models import Contribution
 from app.core.processes import kill_group, spawn, stop
+from app.core.processes import tagged_processes as processes_tagged
 
 TAG = "DEDLOC_TEST_TAG"
 ROOT = Path(__file__).resolve().parents[2]  # the repository
@@ -38,21 +39,7 @@ def free_port() -> int:
 
 def tagged_processes(tag: str) -> list[int]:
     """Live processes whose environment carries ``DEDLOC_TEST_TAG=tag``."""
-    needle = f"{TAG}={tag}".encode()
-    found = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes().split(b"\0") and "Z" != _state(entry):
-                found.append(int(entry.name))
-        except OSError:
-            continue
-    return found
-
-
-def _state(entry: Path) -> str:
-    return (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    return processes_tagged(TAG, tag)
 
 
 def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.5):
