@@ -9,7 +9,7 @@ import pytest
 import torch
 from dedloc_common.contract import EpochContribution, MetricsRecord, OptimizerOptions, RunConfig
 from dedloc_worker.records import add_record_validators, publish_metrics, read_metrics
-from dedloc_worker.swarm import create_dht, create_optimizer
+from dedloc_worker.swarm import RelayWatch, create_dht, create_optimizer, relay_addresses, relay_options
 
 from app.core.processes import group_members
 from tests.support.actors import FAULTY_TASK
@@ -88,6 +88,49 @@ def test_signed_records_are_readable_by_a_validating_reader_and_unforgeable(two_
     assert not reader.store("pit_metrics", forged.dict(), time.time() + 60, subkey=signature.local_public_key)
     [still] = read_metrics(reader, "pit")
     assert still.record.recent[0].samples == 64
+
+
+def test_relays_a_full_peer_offers_and_a_client_asks_for_do_not_change_a_loopback_swarm(two_dhts):
+    """docs/hivemind.md#relays: a peer found unreachable starts with auto-relay, the bootstrap peers as trusted relays
+    and private reachability forced; on loopback it still starts, writes and reads, and lists no relayed address
+    (libp2p advertises only relays with a public address)."""
+    server, _ = two_dhts
+    bootstrap = [str(a) for a in server.get_visible_maddrs()]
+    options = relay_options(True, bootstrap + ["/ip4/10.0.0.1/tcp/1", "not a multiaddr"], unreachable=True)
+    assert options == {"use_relay": True, "use_auto_relay": True, "trusted_relays": bootstrap,
+                       "force_reachability": "private"}
+    assert relay_options(False, bootstrap) == {"use_relay": True}
+    began = time.monotonic()
+    client = create_dht(bootstrap, LOOPBACK, client_mode=True, unreachable=True)
+    try:
+        started = time.monotonic() - began
+        assert client.store("relayed-key", "from the client", time.time() + 60)
+        assert server.get("relayed-key").value == "from the client"
+        assert relay_addresses(client) == []
+    finally:
+        client.shutdown()
+    assert started < 30, f"a client asking for relays took {started:.1f} s to start"
+
+
+def test_the_relay_watch_says_when_a_client_receives_through_a_relay_and_when_it_stops():
+    relayed = "/ip4/1.0.1.1/tcp/31337/p2p/12D3KooWRelay/p2p-circuit/p2p/12D3KooWClient"
+    seen = [[], [relayed], [relayed], [], []]
+    lines = []
+    watch = RelayWatch(lambda: seen.pop(0) if len(seen) > 1 else seen[0], lines.append, wait=60, interval=0.02)
+    watch.start()
+    deadline = time.monotonic() + 10
+    while len(lines) < 2 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    watch.halt(timeout=5)
+    assert lines[0].startswith(f"relay: receiving through {relayed}") and "only sends" in lines[0]
+    assert lines[1].startswith("relay: the relay dropped this machine's slot") and len(lines) == 2
+
+    lines.clear()
+    watch = RelayWatch(lambda: [], lines.append, wait=0.1, interval=0.02)
+    watch.start()
+    time.sleep(0.5)
+    watch.halt(timeout=5)
+    assert len(lines) == 1 and lines[0].startswith("relay: no relay granted this machine a slot"), lines
 
 
 def test_a_failing_task_ends_the_worker_cleanly(deployment, monkeypatch):

@@ -209,6 +209,9 @@ class CoordinatorNode:
             announce_maddrs=self.announce or None,
             # After a crash the swarm still lists our PeerID for a while; the check would refuse our own restart.
             check_if_identity_free=False, authorizer=authorizer, start=True,
+            # Serve as a circuit relay for workers behind NAT, which ask their bootstrap peers (us) first
+            # (hivemind's default too; dedloc_worker.swarm.relay_options, docs/hivemind.md#relays).
+            use_relay=True,
         )
         for attempt in range(BOOTSTRAP_ATTEMPTS if known else 0):
             try:

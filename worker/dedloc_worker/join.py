@@ -13,6 +13,7 @@ from .errors import AdmissionError, SwarmError
 
 CREDENTIAL_ENV = "DEDLOC_WORKER_CREDENTIAL"  # for headless machines: a credential issued by the portal
 HALT_GRACE = 1.0  # seconds the background threads get to finish their DHT call before the DHT shuts down
+RELAY_NOTE = " (libp2p grants a slot after about 3 minutes; a 'relay:' line says when)"
 
 
 def obtain_credential(portal_url: str) -> str:
@@ -97,10 +98,16 @@ def _join(args, stop, folder: Path, placement):
     client_mode, reachability = decide_mode(args, dht, credential)
     if client_mode and not args.client:  # an address nobody can dial would slow every round it is planned into
         dht.shutdown()
-        dht = join_swarm(args, info, deadline, identity.identity_path, authorizer, client_mode=True)
+        dht = join_swarm(args, info, deadline, identity.identity_path, authorizer, client_mode=True,
+                         unreachable=True)
     link = link_report(measured, task.model.parameters(), client_mode, args.aux, measured_at=measured_at)
-    keeper = follower = meter = watch = claims = signature = None
+    keeper = follower = meter = watch = claims = signature = relays = None
     try:
+        if client_mode:  # it asked for a relay slot (swarm.relay_options): say when it receives through one
+            from .swarm import RelayWatch, relay_addresses
+
+            relays = RelayWatch(lambda: relay_addresses(dht), lambda line: print(line, flush=True))
+            relays.start()
         signature = add_record_validators(dht, config.run_id, identity.private_key)
         # Every claim stays in this peer's metrics record, kept alive, until the coordinator acknowledges it.
         outbox = ClaimOutbox(receipts)
@@ -137,7 +144,7 @@ def _join(args, stop, folder: Path, placement):
         return result
     finally:
         # All asked at once, then a shared grace: one thread inside a slow DHT read must not hold the others up.
-        threads = [thread for thread in (watch, follower, meter, keeper, claims) if thread is not None]
+        threads = [thread for thread in (watch, follower, meter, relays, keeper, claims) if thread is not None]
         for thread in threads:
             thread.halt(timeout=0)
         grace = time.monotonic() + HALT_GRACE
@@ -148,9 +155,10 @@ def _join(args, stop, folder: Path, placement):
         dht.shutdown()
 
 
-def join_swarm(args, info, deadline: float, identity_path: Path, authorizer, client_mode: bool = False):
+def join_swarm(args, info, deadline: float, identity_path: Path, authorizer, client_mode: bool = False,
+               unreachable: bool = False):
     """Start the DHT node; while the run's peers are unreachable (a coordinator restarting), ask the portal
-    again until ``deadline``."""
+    again until ``deadline``. ``unreachable``: the portal's dial-back found this machine unreachable."""
     from hivemind.p2p import P2PDaemonError
 
     from .portal import wait_for_peers
@@ -158,7 +166,8 @@ def join_swarm(args, info, deadline: float, identity_path: Path, authorizer, cli
 
     while True:
         try:
-            return create_dht(info.initial_peers, args.listen, client_mode, str(identity_path), authorizer)
+            return create_dht(info.initial_peers, args.listen, client_mode, str(identity_path), authorizer,
+                              unreachable=unreachable)
         except (P2PDaemonError, RuntimeError) as e:
             # hivemind raises RuntimeError when no initial peer answered its bootstrap ping (a busy coordinator)
             if not isinstance(e, P2PDaemonError) and "bootstrap failed" not in str(e):
@@ -177,7 +186,8 @@ def decide_mode(args, dht, credential: str) -> tuple[bool, str]:
 
     say = lambda line: print(line, flush=True)  # noqa: E731
     if args.client:
-        say("client mode, as asked (--client): this peer sends its gradients to others and aggregates none")
+        say("client mode, as asked (--client): this peer sends its gradients to others and aggregates none; it "
+            f"asks the run's peers for a relay to receive through{RELAY_NOTE}")
         return True, "client"
     if args.client is False or args.aux:
         return False, ""
@@ -195,7 +205,7 @@ def decide_mode(args, dht, credential: str) -> tuple[bool, str]:
         return False, "reachable"
     why = report.checks[0].reason if report.checks else "no address to dial"
     say(f"unreachable from outside ({why}); switching to client mode: this peer sends its gradients to others "
-        "and aggregates none")
+        f"and aggregates none; it asks the run's peers for a relay to receive through{RELAY_NOTE}")
     return True, "unreachable"
 
 

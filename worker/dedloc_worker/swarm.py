@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import functools
 import signal
+import threading
+import time
 from dataclasses import dataclass
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import hivemind
 
@@ -26,10 +28,11 @@ from dedloc_common.contract import GRADIENT_PART_BYTES, RunConfig
 
 
 def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, identity_path: Optional[str] = None,
-               authorizer=None):
+               authorizer=None, unreachable: bool = False):
     """Start this process's DHT node (a child process plus its p2pd daemon) and wait until it is up.
 
     :param authorizer: checks every DHT request and response (``admission.RunAuthorizer``); None admits all
+    :param unreachable: the portal's dial-back found this machine unreachable (see ``relay_options``)
     """
     return hivemind.DHT(
         initial_peers=list(initial_peers),
@@ -38,7 +41,89 @@ def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, ide
         identity_path=identity_path,
         authorizer=authorizer,
         start=True,
+        **relay_options(client_mode, initial_peers, unreachable),
     )
+
+
+def relay_options(client_mode: bool, initial_peers: Sequence[str], unreachable: bool = False) -> dict:
+    """hivemind's relay arguments for this peer's DHT (docs/hivemind.md#relays).
+
+    Every peer runs p2pd with circuit relay on (``use_relay``, also hivemind's default): it can dial through relays,
+    and a full peer offers relay service to peers behind NAT. A client-mode peer also looks for relays to receive
+    through (``use_auto_relay``), the run's bootstrap peers first (``trusted_relays``); one the portal found
+    unreachable says so (``force_reachability="private"``), since libp2p reserves relay slots only for a node it
+    believes private, and AutoNAT in a small swarm may never decide.
+    """
+    if not client_mode:
+        return dict(use_relay=True)
+    options = dict(use_relay=True, use_auto_relay=True)
+    relays = [addr for addr in initial_peers if _names_a_peer(addr)]
+    if relays:
+        options["trusted_relays"] = relays
+    if unreachable:
+        options["force_reachability"] = "private"
+    return options
+
+
+def _names_a_peer(addr: str) -> bool:
+    """A multiaddr p2pd accepts as a relay: parses, ends in /p2p/<id>, is no relayed address itself (p2pd exits
+    on one it cannot parse)."""
+    from hivemind.utils.multiaddr import Multiaddr
+
+    try:
+        return bool(Multiaddr(addr).value_for_protocol("p2p")) and "/p2p-circuit" not in addr
+    except Exception:
+        return False
+
+
+def relay_addresses(dht) -> List[str]:
+    """This node's relayed addresses (``.../p2p-circuit``): where it receives through a relay. libp2p lists one
+    once a relay with a public address has granted it a slot. Asked of p2pd each time: hivemind's
+    ``get_visible_maddrs`` otherwise answers what the daemon listed at start, before any relay."""
+    return [str(addr) for addr in dht.get_visible_maddrs(latest=True) if "/p2p-circuit" in str(addr)]
+
+
+RELAY_WAIT = 300.0  # seconds: libp2p's autorelay reserves a slot after 3 minutes when it knows fewer than 4 relays
+RELAY_POLL = 10.0  # seconds between two looks at this node's addresses
+
+
+class RelayWatch(threading.Thread):
+    """Tells a client-mode peer's user when it receives through a relay (a relay granted it a slot and it lists a
+    relayed address), and when it stops; once, if no relay granted it a slot within ``wait`` seconds
+    (docs/hivemind.md#relays).
+
+    :param addresses: () -> this node's relayed addresses (``relay_addresses`` of its DHT)
+    :param say: prints one line
+    """
+
+    def __init__(self, addresses: Callable[[], List[str]], say: Callable[[str], None], wait: float = RELAY_WAIT,
+                 interval: float = RELAY_POLL):
+        super().__init__(name="dedloc-relay-watch", daemon=True)
+        self.addresses, self.say, self.wait, self.interval = addresses, say, wait, interval
+        self.relayed: List[str] = []  # the relayed addresses seen last
+        self.halted = threading.Event()
+
+    def run(self) -> None:
+        began, told_none = time.monotonic(), False
+        while not self.halted.wait(self.interval):
+            try:
+                relayed = sorted(self.addresses())
+            except Exception:  # the DHT busy or shutting down: look again next time
+                continue
+            if relayed and relayed != self.relayed:
+                self.say(f"relay: receiving through {relayed[0]}: libp2p can reach this machine through the "
+                         "relay; in client mode it still only sends (docs/hivemind.md#relays)")
+            elif self.relayed and not relayed:
+                self.say("relay: the relay dropped this machine's slot; libp2p looks for another")
+            elif not relayed and not told_none and time.monotonic() - began > self.wait:
+                self.say(f"relay: no relay granted this machine a slot in {self.wait / 60:.0f} minutes (a relay "
+                         "needs a public address); it receives nothing, which client mode does not need")
+                told_none = True
+            self.relayed = relayed
+
+    def halt(self, timeout: float = 10.0) -> None:
+        self.halted.set()
+        self.join(timeout=timeout)
 
 
 async def reach_peers(_dht, node, addrs: Sequence[str]) -> int:
