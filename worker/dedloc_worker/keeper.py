@@ -41,7 +41,10 @@ class AdmissionKeeper(threading.Thread):
         self.halted = threading.Event()
         self.ready = threading.Event()  # set once this peer's token is published and the admitted set written
         # Every RECALL_EVERY rounds, call the run's coordinators: one that restarted is in nobody's routing table.
+        # In between, every round while this peer's DHT knows no peer (its network was down), call them again.
         self.coordinators, self.rounds = coordinators, 0
+        self.coordinator_addrs: Optional[list[str]] = None  # as the portal listed them last
+        self.alone_since: Optional[float] = None  # when this peer's DHT was first seen to know no peer
         from .renewal import TokenRenewal
 
         self.say = say or (lambda line: print(line, flush=True))
@@ -64,8 +67,8 @@ class AdmissionKeeper(threading.Thread):
                 self.state.write_admitted(admitted_peers(tokens, self.check, frozenset(denied)), denied)
                 self.ready.set()
                 self.rounds += 1
-                if self.coordinators is not None and self.rounds % RECALL_EVERY == 0:
-                    self._recall_coordinators()
+                if self.coordinators is not None:
+                    self._keep_in_touch()
             except Refused as e:
                 self.failure = str(e)
                 self.stop.set()
@@ -127,12 +130,28 @@ class AdmissionKeeper(threading.Thread):
             publish_denylist(self.dht, self.run_id, self.signature, newest.dict())
         return list(newest.usernames)
 
-    def _recall_coordinators(self) -> None:
+    def _keep_in_touch(self) -> None:
+        """Call the run's coordinators every ``RECALL_EVERY`` rounds (asking the portal where they are), and every
+        round while this peer's DHT knows no peer. A peer whose link was down knows none once it is back: each call
+        that failed meanwhile dropped its callee from the routing table, and a client-mode peer is in nobody's
+        table, so nobody calls it; until one of its own calls reaches a peer it trains alone, uncredited."""
         from .errors import WorkerError
-        from .swarm import reach_peers
+        from .swarm import rejoin
 
-        try:
-            addrs = self.coordinators()
-        except WorkerError:
-            return  # the portal down: the coordinators are called again next time
-        self.dht.run_coroutine(functools.partial(reach_peers, addrs=addrs))
+        due = self.rounds % RECALL_EVERY == 0
+        if due or self.coordinator_addrs is None:
+            try:
+                self.coordinator_addrs = self.coordinators()
+            except WorkerError:
+                pass  # the portal down: the coordinators it listed last are called, and it is asked again later
+        if not self.coordinator_addrs:
+            return
+        alone, reached = self.dht.run_coroutine(functools.partial(rejoin, addrs=self.coordinator_addrs, always=due))
+        if alone and not reached and self.alone_since is None:
+            self.alone_since = time.monotonic()
+            self.say("lost touch with the swarm: no peer answers (is the network down?); training alone and calling "
+                     "the run's coordinators every second until one answers")
+        elif reached and self.alone_since is not None:
+            self.say(f"back in touch with the swarm: the run's coordinator answered after "
+                     f"{time.monotonic() - self.alone_since:.0f} s alone; training with the others again")
+            self.alone_since = None

@@ -126,27 +126,48 @@ class RelayWatch(threading.Thread):
         self.join(timeout=timeout)
 
 
-async def reach_peers(_dht, node, addrs: Sequence[str]) -> int:
-    """Run in the DHT process (``dht.run_coroutine``): connect to and ping each multiaddr (with /p2p/ID); how
-    many answered. Both sides then hold each other in their routing tables, which a peer that was away for a
-    while (a restarted coordinator) no longer is."""
+REACH_TIMEOUT = 10.0  # seconds one dial and ping of ``reach_peers`` may take
+
+
+async def reach_peers(_dht, node, addrs: Sequence[str], timeout: float = REACH_TIMEOUT) -> int:
+    """Run in the DHT process (``dht.run_coroutine``): connect to and ping each multiaddr (with /p2p/ID), all at
+    once and each within ``timeout`` seconds; how many answered. Both sides then hold each other in their routing
+    tables, which a peer that was away for a while (a restarted coordinator) no longer is; a client-mode peer whose
+    link was down holds nobody, for every call that failed meanwhile dropped its callee from the table."""
+    import asyncio
+
     from hivemind.p2p import PeerID
     from hivemind.utils.multiaddr import Multiaddr
 
-    reached = 0
-    for addr in addrs:
+    async def reach(addr: str) -> bool:
         try:
             maddr = Multiaddr(addr)
             peer_id = PeerID.from_base58(maddr.value_for_protocol("p2p"))
-            await node.p2p._client.connect(peer_id, [maddr])  # hivemind has no public call for this
-            reached += await node.protocol.call_ping(peer_id) is not None
-        except Exception:  # an address gone stale: the next one may answer
-            continue
+            # p2pd cannot decode the /p2p/ part as hivemind's Multiaddr encodes it ("length greater than remaining
+            # number of bytes in buffer"): dial the transport address, the peer named apart.
+            transport = maddr.decapsulate(Multiaddr(f"/p2p/{peer_id}"))
+            # hivemind has no public call for this
+            await asyncio.wait_for(node.p2p._client.connect(peer_id, [transport]), timeout)
+            return await asyncio.wait_for(node.protocol.call_ping(peer_id), timeout) is not None
+        except Exception:  # an address gone stale, or the network still down: another may answer
+            return False
+
+    reached = sum(await asyncio.gather(*(reach(addr) for addr in addrs)))
     if reached:
         # The network is back: forget who failed to answer during the outage. hivemind skips a peer that failed
         # for ever longer (5 s, doubled per failure), so after half a minute offline it would skip them for minutes.
         node.blacklist.clear()
     return reached
+
+
+async def rejoin(_dht, node, addrs: Sequence[str], always: bool = False, timeout: float = REACH_TIMEOUT):
+    """Run in the DHT process: (whether this node knew no peer, how many of ``addrs`` answered). It dials
+    ``addrs`` (``reach_peers``) when it knows no peer, or ``always``; a node that knows peers and is not told
+    ``always`` dials nobody."""
+    alone = not node.protocol.routing_table.uid_to_peer_id
+    if not (alone or always):
+        return False, 0
+    return alone, await reach_peers(_dht, node, addrs, timeout)
 
 
 @dataclass
