@@ -1,12 +1,15 @@
 """Volunteers behind a router, in network namespaces (tests/support/netns.py): with no flags, a worker on an open
 host is found reachable and stays a full peer; one behind a masquerading home router is found unreachable,
-switches to client mode by itself, trains and is credited. Portal and coordinator run on this machine's leg of
-the switch."""
+switches to client mode by itself, trains and is credited; when that one's link goes down for 30 s and comes back,
+it rejoins without a restart and is credited again. Portal and coordinator run on this machine's leg of the
+switch; both tests share one swarm (olga on the open host, hana at home)."""
 
 from __future__ import annotations
 
+import re
 import shutil
 import sys
+import time
 
 import pytest
 from sqlalchemy import select
@@ -42,6 +45,19 @@ def deployment(internet, tmp_path_factory, output_dir):
     deployed.close()
 
 
+@pytest.fixture(scope="module")
+def swarm(deployment, internet):
+    """The run, portal and coordinator; olga on the open host takes the first step, then hana joins from home."""
+    deployment.create_run(target_batch_size=2048)
+    deployment.start_portal()
+    deployment.start_coordinator()
+    deployment.wait_for_coordinator()
+    start_worker_on(deployment, internet, "open", "olga")
+    wait_for(lambda: deployment.swarm()["epoch"] >= 1, 150, "olga to take the first step")
+    start_worker_on(deployment, internet, "home", "hana")
+    return deployment
+
+
 def start_worker_on(deployment, internet, host: str, username: str):
     """``dedloc-worker join`` with no role flag, inside ``host``'s namespace, listening on all its addresses."""
     proc = spawn(["ip", "netns", "exec", internet.ns(host), sys.executable, "-m", "dedloc_worker", "join",
@@ -69,15 +85,8 @@ def log(deployment, name: str) -> str:
     return (deployment.logs / f"{name}.log").read_text()
 
 
-def test_an_open_host_stays_a_full_peer_and_one_behind_nat_becomes_a_client_by_itself(deployment, internet):
-    deployment.create_run(target_batch_size=2048)
-    deployment.start_portal()
-    deployment.start_coordinator()
-    deployment.wait_for_coordinator()
-    start_worker_on(deployment, internet, "open", "olga")
-    wait_for(lambda: deployment.swarm()["epoch"] >= 1, 150, "olga to take the first step")
-    start_worker_on(deployment, internet, "home", "hana")
-
+def test_an_open_host_stays_a_full_peer_and_one_behind_nat_becomes_a_client_by_itself(swarm):
+    deployment = swarm
     wait_for(lambda: "switching to client mode" in log(deployment, "hana"), 120, "hana's verdict")
     [verdict] = [line for line in log(deployment, "hana").splitlines() if "unreachable from outside" in line]
     assert "connection refused" in verdict and f"the worker announced {netns.HOME}" in verdict, verdict
@@ -94,3 +103,39 @@ def test_an_open_host_stays_a_full_peer_and_one_behind_nat_becomes_a_client_by_i
     plan = wait_for(lambda: (lambda p: p if len(p["peers"]) == 2 else None)(
         deployment.get(f"/api/v1/runs/{deployment.slug}/plan")), 60, "a plan with both")
     assert {peer["username"]: peer["role"] for peer in plan["peers"]} == {"olga": "aggregator", "hana": "client"}
+
+
+def local_epoch(text: str) -> int:
+    """The epoch a worker is at, by the last progress line of its log (printed as its epoch changes)."""
+    return int(re.findall(r"^epoch (\d+) \|", text, re.MULTILINE)[-1])
+
+
+def test_a_worker_whose_link_was_down_30_s_rejoins_without_a_restart_and_is_credited_again(swarm, internet):
+    deployment = swarm
+    hana = deployment.processes["hana"]
+    wait_for(lambda: credited_epochs(deployment, "hana"), 240, "hana's first credited epoch")
+    before = len(log(deployment, "hana"))
+
+    internet.link("home", False)  # the cable pulled: hana's DHT calls fail, each drops its callee from her table
+    try:
+        time.sleep(30)
+        assert hana.poll() is None, "hana exited while her link was down"
+    finally:
+        internet.link("home", True)
+    back, at = time.monotonic(), local_epoch(log(deployment, "hana"))
+
+    # A step she finishes from here on is recorded as epoch `at` or later; one credited means olga averaged with her
+    # again (a receipt of hers) and the coordinator read her claim: she is back in the swarm, not training alone.
+    credited = wait_for(lambda: [e for e in credited_epochs(deployment, "hana") if e >= at], 120,
+                        f"an epoch hana took after her link returned (at epoch {at}) to be credited")
+    recovered = time.monotonic() - back
+    assert hana.poll() is None, "hana's worker exited: it must rejoin without a restart"
+    assert deployment.processes["hana"] is hana
+    assert "Traceback" not in log(deployment, "hana")
+    # One line as she lost touch, one as she was back (their order: the last of each).
+    since = log(deployment, "hana")[before:].splitlines()
+    lost = [i for i, line in enumerate(since) if line.startswith("lost touch with the swarm: no peer answers")]
+    rejoined = [i for i, line in enumerate(since) if line.startswith("back in touch with the swarm")]
+    assert lost and rejoined and lost[-1] < rejoined[-1], "\n".join(since)
+    print(f"hana: credited again {recovered:.0f} s after her link returned (epochs {sorted(credited)}); "
+          f"{since[rejoined[-1]]}")
