@@ -175,3 +175,4 @@ def test_organizations_come_from_the_orgs_claim():
     assert organizations_of({"orgs": [{"preferred_username": "bigscience"}, {"name": "huggingface"}, "plain"]}) == (
         "bigscience", "huggingface", "plain")
     assert organizations_of({}) == ()
+

@@ -152,3 +152,39 @@ def test_a_failing_task_ends_the_worker_cleanly(deployment, monkeypatch):
     while group_members(worker.pid) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert group_members(worker.pid) == []
+
+
+def test_a_caller_the_keeper_does_not_know_makes_it_read_the_tokens_at_once(two_dhts, tmp_path, monkeypatch):
+    import asyncio
+    import threading
+
+    from dedloc_common.signing import new_private_key, peer_id_of, public_openssh
+    from dedloc_worker import keeper as keeping
+    from dedloc_worker.admission import AdmissionState, TokenCheck, wait_admitted
+    from dedloc_worker.records import publish_token
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from tests.support.factories import peer_token
+
+    monkeypatch.setattr(keeping, "READ_EVERY", 10**6)  # after its first round, the keeper reads only when asked
+    first, second = two_dhts
+    authority, mine, newcomer = new_private_key(), RSAPrivateKey(), RSAPrivateKey()
+    state = AdmissionState(tmp_path)
+    state.write_token(peer_token(authority, "alice", mine, lifetime=3600))
+    keeper = keeping.AdmissionKeeper(first, "run", state, TokenCheck(public_openssh(authority).decode()),
+                                     add_record_validators(first, "run", mine), lambda: None, threading.Event())
+    keeper.start()
+    try:
+        assert keeper.ready.wait(30)
+        late = peer_id_of(newcomer.get_public_key().to_bytes())
+        publish_token(second, "run", add_record_validators(second, "run", newcomer),
+                      peer_token(authority, "bob", newcomer, lifetime=3600))
+        time.sleep(3 * keeper.interval)
+        assert not state.admits(late)  # published after the keeper's read: unknown until someone asks
+        loop = asyncio.new_event_loop()  # not asyncio.run: it would drop the loop hivemind set for this thread
+        try:  # a handler meets bob's call: the keeper reads the tokens, and bob is in
+            assert loop.run_until_complete(wait_admitted(state, late))
+        finally:
+            loop.close()
+    finally:
+        keeper.halt()

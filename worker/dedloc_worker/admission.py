@@ -77,6 +77,7 @@ class AdmissionState:
     def __init__(self, folder: Path):
         self.folder = folder
         self.token_path, self.allow_path = folder / "token.bin", folder / "admitted.json"
+        self.wanted_path = folder / "wanted"
         self._cache: tuple[tuple, dict] = ((), {"peers": {}, "denied": []})
         self._token_cache: tuple[tuple, bytes] = ((), b"")
 
@@ -93,6 +94,18 @@ class AdmissionState:
         if stamp != self._token_cache[0]:
             self._token_cache = (stamp, self.token_path.read_bytes())
         return self._token_cache[1]
+
+    def want(self, peer_id: str) -> None:
+        """A handler met a caller it does not know yet: ask the keeper to read the DHT's tokens now."""
+        self._write(self.wanted_path, peer_id.encode())
+
+    def wanted(self) -> tuple:
+        """Changes each time a handler asks for a read (``want``); () when none has."""
+        try:
+            found = self.wanted_path.stat()
+        except FileNotFoundError:
+            return ()
+        return found.st_mtime_ns, found.st_ino
 
     def write_admitted(self, peers: dict[str, float], denied: list[str]) -> None:
         self._write(self.allow_path, json.dumps({"peers": peers, "denied": sorted(denied)}).encode())
@@ -115,7 +128,7 @@ class AdmissionState:
         return expiry is not None and expiry > time.time()
 
     def _write(self, path: Path, data: bytes) -> None:
-        temporary = path.with_suffix(".tmp")
+        temporary = path.with_name(f"{path.name}.{os.getpid()}.tmp")  # handlers of several processes write too
         temporary.write_bytes(data)
         os.replace(temporary, path)
 
@@ -142,6 +155,8 @@ async def wait_admitted(state: AdmissionState, peer_id: str, grace: float = NEWC
     import asyncio
 
     deadline = time.monotonic() + grace
+    if not state.admits(peer_id):
+        state.want(peer_id)
     while not state.admits(peer_id):
         if time.monotonic() > deadline or str(peer_id) in state.denied():
             return False

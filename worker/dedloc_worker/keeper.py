@@ -14,6 +14,9 @@ from dedloc_common.contract import PeerToken
 from .admission import AdmissionState, Refused, TokenCheck, admitted_peers, parse_expiration, to_access_token
 
 RECALL_EVERY = 15  # keeper rounds between two calls to the run's coordinators (and republishing the denylist)
+# Keeper rounds between two reads of the DHT's tokens and denylist, unless a handler met an unknown caller: each
+# read is signed RPCs to every node holding the records, on CPU the training shares (docs/benchmarks.md).
+READ_EVERY = 5
 # Seconds between two reads of the portal's signed denylist: a ban reaches peers while no coordinator is up.
 PORTAL_INTERVAL = 5.0
 
@@ -26,8 +29,10 @@ class AdmissionKeeper(threading.Thread):
     :param stop: set when the run refuses this peer (``failure`` says why), so training ends
     :param portal_denylist: returns the run's signed denylist as the portal has it (``contract.SignedDenylist``
         fields), raising ``WorkerError`` when the portal cannot be reached
-    :param interval: seconds between two reads of the DHT's tokens and denylist: a newcomer's all-reduce parts
-        wait that long at most for admission, and hivemind's round fails if they wait too long
+    :param interval: seconds between two rounds. The DHT's tokens are read every ``READ_EVERY`` rounds, and in
+        the next round after a handler met a caller it did not know (``AdmissionState.want``): a newcomer's
+        all-reduce parts wait that long at most for admission, and hivemind's round fails if they wait too long.
+        This peer's token is stored when it changes and every third of its record's lifetime.
     """
 
     def __init__(self, dht, run_id: str, state: AdmissionState, check: TokenCheck, signature,
@@ -54,17 +59,22 @@ class AdmissionKeeper(threading.Thread):
         self.denylist, self.portal_denylist, self.portal_asked = None, portal_denylist, -PORTAL_INTERVAL
 
     def run(self) -> None:
-        from .records import publish_token, read_tokens
+        from .records import TOKEN_RECORD_TTL, publish_token, read_tokens
 
+        published, wanted = (None, float("-inf")), None  # (token stored, when); the handlers' last request
         while not self.halted.is_set():
             try:
                 self._refresh_if_needed()
-                publish_token(self.dht, self.run_id, self.signature, self.token)
-                denied = self._current_denylist()
-                if self.token.username in denied:
-                    raise Refused(f"{self.token.username} was banned from this run by its organizers")
-                tokens = read_tokens(self.dht, self.run_id)
-                self.state.write_admitted(admitted_peers(tokens, self.check, frozenset(denied)), denied)
+                if published[0] is not self.token or time.monotonic() - published[1] >= TOKEN_RECORD_TTL / 3:
+                    publish_token(self.dht, self.run_id, self.signature, self.token)
+                    published = (self.token, time.monotonic())
+                if self.rounds % READ_EVERY == 0 or self.state.wanted() != wanted:
+                    wanted = self.state.wanted()
+                    denied = self._current_denylist()
+                    if self.token.username in denied:
+                        raise Refused(f"{self.token.username} was banned from this run by its organizers")
+                    tokens = read_tokens(self.dht, self.run_id)
+                    self.state.write_admitted(admitted_peers(tokens, self.check, frozenset(denied)), denied)
                 self.ready.set()
                 self.rounds += 1
                 if self.coordinators is not None:
