@@ -83,8 +83,7 @@ def swarm_rate(task_name: str, dpu: bool, compression: str, seconds: float, corp
     spec = TASKS[task_name]
     work = Path(tempfile.mkdtemp(prefix="dedloc-bench-"))
     port = free_port()
-    env = {"DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(port), "DATABASE_URL": "",
-           "DEDLOC_POLL_INTERVAL": "1"}
+    env = {"DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(port), "DATABASE_URL": ""}
     url = f"http://127.0.0.1:{port}"
     optimizer = {**LOOPBACK_OPTIMIZER, "delay_optimizer_step": dpu, "delay_grad_averaging": dpu,
                  "compression": compression}
