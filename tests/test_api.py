@@ -120,3 +120,15 @@ def test_the_worker_never_imports_the_portal():
             "print(sorted(m for m in sys.modules if m == 'app' or m.startswith('app.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_the_notebook_asks_colab_and_kaggle_for_a_gpu_and_joins_in_the_automatic_mode(client):
+    from dedloc_worker.cli import build_parser
+
+    notebook = client.get("/runs/demo/join.ipynb").json()
+    assert notebook["metadata"]["colab"]["gpuType"] and notebook["metadata"]["kaggle"]["isGpuEnabled"] is True
+    check, install, join = (cell["source"] for cell in notebook["cells"] if cell["cell_type"] == "code")
+    compile(check, "gpu-check", "exec")  # the GPU check is Python that runs
+    assert install.startswith("!pip install ") and ".whl" in install
+    args = build_parser().parse_args(join.removeprefix("!dedloc-worker ").split())
+    assert args.run == "demo" and args.device == "auto" and args.client is None  # reachability decided at join

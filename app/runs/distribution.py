@@ -40,20 +40,34 @@ def join_line(portal_url: str, slug: str) -> str:
 
 
 def join_notebook(portal_url: str, slug: str, title: str) -> dict:
-    """A Jupyter notebook (Colab, Kaggle) that installs the worker and joins the run."""
+    """A Jupyter notebook (Colab, Kaggle) that installs the worker and joins the run. Its metadata asks both for a
+    GPU; the worker trains on it by itself (``--device auto``), and decides by itself whether the machine can be
+    reached (these platforms accept no connections: it becomes a client, credited the same)."""
     def cell(kind: str, source: str) -> dict:
         extra = {"execution_count": None, "outputs": []} if kind == "code" else {}
         return {"cell_type": kind, "metadata": {}, "source": source, **extra}
 
+    gpu_check = ("import shutil, subprocess\n"
+                 "if shutil.which('nvidia-smi'):\n"
+                 "    print(subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True).stdout)\n"
+                 "else:\n"
+                 "    print('No GPU: the worker will train on the CPU, slowly. Colab: Runtime > Change runtime type > '\n"
+                 "          'GPU. Kaggle: Settings > Accelerator > GPU.')")
     return {
         "nbformat": 4,
         "nbformat_minor": 5,
-        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}, "accelerator": "GPU"},
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3"}, "accelerator": "GPU",
+                     "colab": {"gpuType": "T4", "provenance": []},
+                     "kaggle": {"accelerator": "gpu", "isGpuEnabled": True, "isInternetEnabled": True}},
         "cells": [
-            cell("markdown", f"# Join {title}\n\nRun both cells. The second prints a short code and a link: open "
-                             "the link, sign in, and approve the code. Stop the cell to leave the run."),
+            cell("markdown", f"# Join {title}\n\nRun the cells in order. The last prints a short code and a link: "
+                             "open the link, sign in, and approve the code. The worker trains on this machine's GPU "
+                             "and finds out by itself that nobody can connect to it here (it then sends its "
+                             "gradients without aggregating, credited the same). Stop the cell to leave the run."),
+            cell("code", gpu_check),
+            # The worker wheel brings what every built-in task needs (transformers, datasets, tokenizers...).
             cell("code", f"!{install_line(portal_url)}"),
-            cell("code", f"!{join_line(portal_url, slug)}"),
+            cell("code", f"!{join_line(portal_url, slug)} --device auto"),
         ],
     }
 
