@@ -26,9 +26,11 @@ BATCH, COMPUTE_SECONDS = 32, 0.3
 ATTACKS = ("x1000", "flip", "nan", "weight")
 SCHEDULE = {
     "seed": 13, "dim": 16, "batch": BATCH, "lr": 0.3, "epochs": 8, "compute_seconds": COMPUTE_SECONDS,
-    # The ceiling is the honest peers' real rate (a batch per compute time) and the grace covers the few ms by
-    # which rounds end apart: honest weights are never capped, an attacker's is held near an honest one's.
-    "ceiling": BATCH / COMPUTE_SECONDS, "grace": 0.05, "tau": 0.5, "iterations": 20, "attacker": 3,
+    # The ceiling is the honest peers' real rate (a batch per compute time) and the grace is one compute time: on
+    # two busy cores an aggregator's round can begin well after a sender's (a grace of 0.05 s capped an honest
+    # sender's weight 32 to 14.8 in a full-suite run), so honest weights are never capped, and an attacker's is held
+    # to about two honest ones'.
+    "ceiling": BATCH / COMPUTE_SECONDS, "grace": COMPUTE_SECONDS, "tau": 0.5, "iterations": 20, "attacker": 3,
     "round_timeout": 20.0,
     "scenarios": [{"name": "honest", "attack": None, "aggregation": "centered_clip"},
                   {"name": "honest-mean", "attack": None, "aggregation": "mean"},
@@ -95,7 +97,8 @@ def test_the_swarm_averaged_rounds_with_all_four(swarm):
 
 def test_all_honest_the_model_learns_and_the_defence_costs_little(swarm):
     start = 16.0  # |truth|^2 for seed 13 is close to the dimension
-    assert all(loss is not None and loss < 0.01 * start for loss in honest_losses(swarm, "honest"))
+    losses = honest_losses(swarm, "honest")
+    assert all(loss is not None and loss < 0.01 * start for loss in losses), losses
     plain = max(honest_losses(swarm, "honest-mean"))
     assert all(loss <= plain + MARGIN_OF_START * start for loss in honest_losses(swarm, "honest"))
 
