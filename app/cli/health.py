@@ -11,7 +11,6 @@ wrong (the database or the portal unreachable, the run unknown). Both only read.
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 
 from sqlalchemy.exc import SQLAlchemyError
 
@@ -41,17 +40,11 @@ def read_status(settings: Settings, slug: str) -> RunStatus:
         return run_status(session, registry.get_run(session, slug), settings.coordinator_timeout)
 
 
-@contextmanager
 def read_session(settings: Settings):
     """A session on the database as it is (the migrate step brings it up to date, not a health check)."""
-    from app.core.database import make_engine, make_sessionmaker
+    from app.core.database import one_session
 
-    engine = make_engine(settings.resolved_database_url)
-    try:
-        with make_sessionmaker(engine)() as session:
-            yield session
-    finally:
-        engine.dispose()
+    return one_session(settings.resolved_database_url, migrate_first=False)
 
 
 def why_down(status: RunStatus, timeout: float) -> str:

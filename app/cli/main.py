@@ -11,7 +11,6 @@ import json
 import signal
 import sys
 import threading
-from contextlib import contextmanager
 from pathlib import Path
 
 from app.core.config import Settings
@@ -140,18 +139,11 @@ def target_epochs(args) -> int | None:
     return max(-(-args.target_samples // max(args.target_batch_size, 1)), 0) or -1  # 0 samples: refused as < 1
 
 
-@contextmanager
 def open_session(settings: Settings):
     """A session on the migrated database; its engine is disposed after (no connection left to the collector)."""
-    from app.core.database import make_engine, make_sessionmaker, migrate
+    from app.core.database import one_session
 
-    migrate(settings.resolved_database_url)
-    engine = make_engine(settings.resolved_database_url)
-    try:
-        with make_sessionmaker(engine)() as session:
-            yield session
-    finally:
-        engine.dispose()
+    return one_session(settings.resolved_database_url)
 
 
 def cmd_issue_credential(args, settings: Settings) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from pathlib import Path
 
 from sqlalchemy import create_engine, event
@@ -56,3 +57,17 @@ def downgrade(url: str, revision: str = "base") -> None:
     from alembic import command
 
     command.downgrade(alembic_config(url), revision)
+
+
+@contextmanager
+def one_session(url: str, migrate_first: bool = True):
+    """A session for one command: on the database migrated first (unless told not to: a health check reads the
+    database as it is), its engine disposed after, so no connection outlives the command."""
+    if migrate_first:
+        migrate(url)
+    engine = make_engine(url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            yield session
+    finally:
+        engine.dispose()
