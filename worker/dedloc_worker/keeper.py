@@ -68,7 +68,7 @@ class AdmissionKeeper(threading.Thread):
                 if published[0] is not self.token or time.monotonic() - published[1] >= TOKEN_RECORD_TTL / 3:
                     publish_token(self.dht, self.run_id, self.signature, self.token)
                     published = (self.token, time.monotonic())
-                if self.rounds % READ_EVERY == 0 or self.state.wanted() != wanted:
+                if self.rounds % READ_EVERY == 0 or self.state.wanted() != wanted or self._portal_due():
                     wanted = self.state.wanted()
                     denied = self._current_denylist()
                     if self.token.username in denied:
@@ -113,6 +113,11 @@ class AdmissionKeeper(threading.Thread):
         self.renewal.renewed(time.time(), parse_expiration(token.expiration_time))
         self.state.write_token(self.token)
 
+    def _portal_due(self) -> bool:
+        """Time to ask the portal for its denylist (every ``PORTAL_INTERVAL`` s): bans placed while no coordinator is
+        up reach peers that way."""
+        return self.portal_denylist is not None and time.monotonic() - self.portal_asked >= PORTAL_INTERVAL
+
     def _current_denylist(self) -> list[str]:
         """Banned usernames from the newest authentic denylist seen: in the DHT (the coordinator's, or a peer's
         copy), from the portal (every ``PORTAL_INTERVAL`` seconds), or kept from before. It stays in force while its
@@ -123,7 +128,7 @@ class AdmissionKeeper(threading.Thread):
 
         in_dht = newest_denylist(self.dht, self.run_id, self.check)
         found = [self.denylist, in_dht]
-        if self.portal_denylist is not None and time.monotonic() - self.portal_asked >= PORTAL_INTERVAL:
+        if self._portal_due():
             self.portal_asked = time.monotonic()
             try:
                 found.append(authentic_denylist(self.portal_denylist(), self.check))
