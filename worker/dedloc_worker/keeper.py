@@ -68,8 +68,9 @@ class AdmissionKeeper(threading.Thread):
                 if published[0] is not self.token or time.monotonic() - published[1] >= TOKEN_RECORD_TTL / 3:
                     publish_token(self.dht, self.run_id, self.signature, self.token)
                     published = (self.token, time.monotonic())
-                if self.rounds % READ_EVERY == 0 or self.state.wanted() != wanted or self._portal_due():
-                    wanted = self.state.wanted()
+                asked = self.state.wanted()
+                if self.rounds % READ_EVERY == 0 or asked != wanted or self._portal_due():
+                    wanted = asked
                     denied = self._current_denylist()
                     if self.token.username in denied:
                         raise Refused(f"{self.token.username} was banned from this run by its organizers")
