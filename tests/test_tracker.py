@@ -1,4 +1,4 @@
-"""Progress reports at a bounded rate (dedloc_worker.tracker), read back from a real DHT."""
+"""Progress reports only when they are news (dedloc_worker.tracker), read back from a real DHT."""
 
 from __future__ import annotations
 
@@ -16,13 +16,19 @@ PERIOD = 2.0  # seconds between two reports of one epoch: long enough that a bus
 
 
 @pytest.fixture
-def tracker():
+def make_tracker():
     dht = create_dht([], "/ip4/127.0.0.1/tcp/0", client_mode=False)
-    tracked = ThrottledProgressTracker(dht, "throttle-test", 10**9, min_refresh_period=PERIOD, start=True)
+    made = []
+
+    def make(**kwargs) -> ThrottledProgressTracker:
+        made.append(ThrottledProgressTracker(dht, f"throttle-test-{len(made)}", 10**9, start=True, **kwargs))
+        return made[-1]
+
     try:
-        yield tracked
+        yield make
     finally:
-        tracked.shutdown()
+        for tracker in made:
+            tracker.shutdown()
         dht.shutdown()
         gc.collect()
 
@@ -35,7 +41,8 @@ def reported(tracker) -> tuple[int, int] | None:
     return entry.value["epoch"], entry.value["samples_accumulated"]
 
 
-def test_mini_steps_within_a_period_are_reported_once_and_a_new_epoch_at_once(tracker):
+def test_mini_steps_within_a_period_are_reported_once_and_a_new_epoch_at_once(make_tracker):
+    tracker = make_tracker(min_refresh_period=PERIOD, tolerance=16)
     tracker.report_local_progress(0, 16)
     wait_for(lambda: reported(tracker) == (0, 16), 10, "the first report")
     started = time.monotonic()
@@ -47,5 +54,29 @@ def test_mini_steps_within_a_period_are_reported_once_and_a_new_epoch_at_once(tr
     tracker.report_local_progress(1, 0)  # a new epoch is news: reported without waiting for the period
     wait_for(lambda: reported(tracker) == (1, 0), PERIOD / 2, "the new epoch's report")
     time.sleep(PERIOD)
-    tracker.report_local_progress(1, 32)  # past the period, the next mini-step reports again
+    # past the period, a mini-step far from what the report's rate predicts is reported
+    tracker.report_local_progress(1, 32)
     wait_for(lambda: reported(tracker) == (1, 32), 10, "the report after the period")
+
+
+def test_steady_progress_is_not_reported_again_and_a_change_of_pace_is(make_tracker):
+    """Readers extrapolate from the last report's rate; while the peer keeps that pace a report would tell them
+    nothing, so none is made. A peer that stalls falls behind their estimate and reports at its next mini-step."""
+    tracker = make_tracker(min_refresh_period=0.1, tolerance=160)
+    step, batch, start = 0.05, 16, time.monotonic()  # 320 samples/s on an absolute schedule: no drift from jitter
+
+    def train(epoch: int, steps: int, first: int = 0) -> int:
+        for n in range(first, first + steps):
+            time.sleep(max(0.0, start + n * step - time.monotonic()))
+            tracker.report_local_progress(epoch, batch * (n + 1 - first))
+        return first + steps
+
+    n = train(0, 30)  # the rate settles
+    tracker.report_local_progress(1, 0)
+    wait_for(lambda: reported(tracker) == (1, 0), 10, "the new epoch's report")
+    start = time.monotonic() - n * step  # the schedule goes on from here
+    n = train(1, 40, n) - n  # 2 s at the reported pace
+    assert reported(tracker) == (1, 0), "a report while the peer kept the pace it had reported"
+    time.sleep(1.5)  # a stall: 480 samples behind what readers extrapolate
+    tracker.report_local_progress(1, batch * (n + 1))
+    wait_for(lambda: reported(tracker) == (1, batch * (n + 1)), 10, "the report after the stall")

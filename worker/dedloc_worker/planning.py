@@ -20,7 +20,9 @@ from dedloc_common.contract import LinkReport, PlanRecord
 from .records import read_plan
 
 ROUND_QUERY_TIMEOUT = 2.0  # seconds to wait for the averager process to say how its last round went
-PLAN_POLL = 1.0  # seconds between two reads of the run's plan: a new plan reaches the next round
+# seconds between two reads of the run's plan. Plans change at most every plan_interval (30 s) or when a planned
+# peer leaves, and each read is signed DHT RPCs: reading every second cost more CPU than a plan 3 s late does
+PLAN_POLL = 3.0
 LINK_REMEASURE = 600.0  # seconds between two measurements of this peer's link to the portal
 # seconds a due measurement waits for an averaging round to end, so that the probe's transfers and a round's rarely
 # share the link (a round ends every epoch; a peer that is paused or between epochs measures after this)

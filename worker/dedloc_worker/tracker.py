@@ -1,18 +1,21 @@
-"""Reporting this peer's progress to the swarm at a bounded rate.
+"""Reporting this peer's progress to the swarm only when the others' estimate of it would be wrong.
 
 hivemind's ``ProgressTracker`` stores this peer's progress in the DHT after every mini-step: a signed record and
-signed RPCs to the nodes that hold it (about 4.5 CPU-ms each here, without admission's signatures), as fast as the
-DHT process can do them. With mini-steps of ~10 ms that took half a core the training could use
-(docs/benchmarks.md#where-a-swarm-spends-its-cpu). Peers already extrapolate each other's progress between reports
-from the samples per second each report carries, so reporting every ``min_refresh_period`` seconds loses nothing.
+signed RPCs to the nodes that hold it, as fast as the DHT process can do them. With mini-steps of ~10 ms that took
+half a core the training could use (docs/benchmarks.md#where-a-swarm-spends-its-cpu). But peers already extrapolate
+each other's progress between reports from the samples per second each report carries (samples + rate x time since
+the report), so a report is news only when that extrapolation has drifted: dead reckoning, as in networked games.
 """
 
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass
 
 from hivemind.optim.progress_tracker import ProgressTracker
 from hivemind.utils import get_dht_time
+
+DRIFT = 0.02  # of the global batch: how far the others' extrapolation of this peer may be off before it reports
 
 
 class _Doorbell(threading.Event):
@@ -26,25 +29,46 @@ class _Doorbell(threading.Event):
             super().set()
 
 
-class ThrottledProgressTracker(ProgressTracker):
-    """``ProgressTracker`` that reports at most every ``min_refresh_period`` seconds, and at once when this peer's
-    epoch changes or its samples go down (a new epoch, a reset after an overflow or a state download)."""
+@dataclass(frozen=True)
+class _Report:
+    epoch: int
+    samples: int
+    at: float  # DHT time
+    rate: float  # samples per second, as the report carried them
 
-    def __init__(self, *args, start: bool, **kwargs):
+    def predicts(self, now: float) -> float:
+        """What a peer reading this report estimates this peer's samples to be at ``now``."""
+        return self.samples + max(0.0, now - self.at) * self.rate
+
+
+class ThrottledProgressTracker(ProgressTracker):
+    """``ProgressTracker`` that reports at once when this peer's epoch changes or its samples go down (a new epoch, a
+    reset after an overflow or a state download); otherwise only when its samples are more than ``tolerance`` off
+    what the others extrapolate from its last report, and never twice within ``min_refresh_period`` seconds.
+    hivemind's reporter still renews the record before it expires.
+
+    :param tolerance: samples; by default ``DRIFT`` of the global batch
+    """
+
+    def __init__(self, *args, start: bool, tolerance: float | None = None, **kwargs):
         super().__init__(*args, start=False, **kwargs)
         self.should_report_progress = _Doorbell()
-        self._last_reported = (-1, 0, float("-inf"))  # (epoch, samples, DHT time) of the last report let through
+        self.tolerance = tolerance if tolerance is not None else max(1.0, DRIFT * self.target_batch_size)
+        self._last_reported = _Report(-1, 0, float("-inf"), 0.0)
         if start:
             self.start()
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
-        epoch, samples, at = self._last_reported
-        now = get_dht_time()
-        quiet = local_epoch == epoch and samples_accumulated >= samples and now - at < self.min_refresh_period
-        if not quiet:
-            self._last_reported = (local_epoch, samples_accumulated, now)
-        self.should_report_progress.muted = quiet
+        last, now = self._last_reported, get_dht_time()
+        news = local_epoch != last.epoch or samples_accumulated < last.samples
+        due = now - last.at >= self.min_refresh_period and \
+            abs(samples_accumulated - last.predicts(now)) > self.tolerance
+        self.should_report_progress.muted = quiet = not (news or due)
         try:
             super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
         finally:
             self.should_report_progress.muted = False
+        if not quiet:
+            progress = self.local_progress
+            self._last_reported = _Report(progress.epoch, progress.samples_accumulated, progress.time,
+                                          progress.samples_per_second)
