@@ -7,15 +7,22 @@ Each peer is a process that runs the worker's swarm code: ``dedloc_worker.swarm.
 ``create_optimizer`` (hivemind's Optimizer with the worker's planned gradient averager, options from the run
 config), on a tiny MLP classifier over synthetic data. Mini-batch k is drawn from a generator seeded with k, and
 peer p takes k = p, p + 2, p + 4, ...: a fixed data order. Each peer records which mini-batches went into which
-optimizer step (epoch), checked against the samples hivemind averaged for it, and the loss of each. Afterwards one
-process (the reference) replays exactly those mini-batches step by step with the same optimizer, initialised as
-hivemind initialises it, and the same weighting as hivemind (each peer's mean gradient, weighted by its samples).
+optimizer step (epoch), checked against the samples hivemind averaged for it, the loss of each, and the version of
+the parameters it was computed at (how many optimizer steps they held). Afterwards one process (the reference)
+replays exactly those mini-batches step by step with the same optimizer, initialised as hivemind initialises it,
+and the same weighting as hivemind (each peer's mean gradient, weighted by its samples), computing each mini-batch's
+gradient at its own parameters of the same version. Without delayed updates that version is always the step's
+own; with them a step's first mini-batches were computed while the previous step ran in the background, one
+version behind, and the reference does the same: so it is the same algorithm, and any gap is the swarm's error.
 
 Rows, each one swarm run:
 
 - ``curve``, with delayed parameter updates off and on: the loss per step in the swarm (mean over every mini-batch
-  of the step, computed where the peer's parameters were) against the reference's loss on the same mini-batches;
-  ``loss_gap`` is the mean absolute difference over the steps, ``loss_gap_max`` the largest.
+  of the step, computed where the peer's parameters were) against the reference's loss on the same mini-batches at
+  the same versions; ``loss_gap`` is the mean absolute difference over the steps, ``loss_gap_max`` the largest;
+  ``stale_batches``: mini-batches computed one or more versions behind their step. ``loss_gap_vs_fresh``: the gap
+  to a reference that computes every mini-batch at its step's own version, i.e. to training without delay (what
+  delayed updates change in the curve, not an error).
 - ``strict``: no delayed updates, plain mean aggregation, deterministic kernels, one thread: the largest absolute
   difference between each peer's parameters right after a step and the reference's after the same step
   (``param_diff_last_step``, and ``param_diff_max`` over the steps; ``param_diff_final``: at the peers' exit).
@@ -115,14 +122,16 @@ def peer_main(index: int, work: Path, epochs: int, dpu: bool, strict: bool) -> N
     while opt.tracker.global_progress.num_peers < PEERS and time.monotonic() < deadline:
         time.sleep(0.2)
     steps: dict[int, dict] = {}
-    pending: list[tuple[int, float]] = []  # (mini-batch, loss) accumulated since the last step
+    pending: list[tuple[int, float, int]] = []  # (mini-batch, loss, parameters' version) since the last step
     dropped, k, began = 0, index, 0.0
+    versions = Versions(model)
     try:
         while opt.local_epoch < epochs:
+            version = versions.now()
             loss = batch_loss(model, k)
             loss.backward()
             time.sleep(COMPUTE_SECONDS)
-            pending.append((k, loss.item()))
+            pending.append((k, loss.item(), version))
             k += PEERS
             opt.step()
             opt.zero_grad()
@@ -130,9 +139,11 @@ def peer_main(index: int, work: Path, epochs: int, dpu: bool, strict: bool) -> N
                 members, began = last_round(opt, began)
                 kept = finished.samples // BATCH
                 dropped += len(pending) - kept
-                steps[finished.epoch] = dict(batches=[b for b, _ in pending[len(pending) - kept:]],
-                                             losses=[l for _, l in pending[len(pending) - kept:]],
-                                             group=members, params=parameters(model))
+                kept_batches = pending[len(pending) - kept:]
+                steps[finished.epoch] = dict(batches=[b for b, _, _ in kept_batches],
+                                             losses=[l for _, l, _ in kept_batches],
+                                             versions=[v for _, _, v in kept_batches], group=members,
+                                             params=parameters(model), params_version=versions.now())
                 pending = []
             opt.finished_epochs.clear()
             held = opt.grad_averager.local_samples_accumulated // BATCH
@@ -141,7 +152,7 @@ def peer_main(index: int, work: Path, epochs: int, dpu: bool, strict: bool) -> N
                 pending = pending[len(pending) - held:]
         (work / f"peer{index}.json").write_text(json.dumps(dict(
             steps=steps, dropped=dropped, final_epoch=opt.local_epoch,
-            params=parameters(model))))
+            params=parameters(model), params_version=versions.now())))
         deadline = time.monotonic() + BARRIER_SECONDS
         while time.monotonic() < deadline and not all((work / f"peer{i}.json").exists() for i in range(PEERS)):
             time.sleep(0.2)
@@ -149,6 +160,20 @@ def peer_main(index: int, work: Path, epochs: int, dpu: bool, strict: bool) -> N
     finally:
         opt.shutdown()
         dht.shutdown()
+
+
+class Versions:
+    """Counts the changes of a model's parameters: the version is how many optimizer steps they hold (hivemind
+    writes a step into the model at once, or with delayed updates at a later ``step()``; never in between)."""
+
+    def __init__(self, model):
+        self.model, self.version, self.seen = model, 0, parameters(model)
+
+    def now(self) -> int:
+        current = parameters(self.model)
+        if current != self.seen:
+            self.version, self.seen = self.version + 1, current
+        return self.version
 
 
 def last_round(opt, after: float) -> tuple[list[str], float]:
@@ -176,8 +201,13 @@ def wait_for(path: Path, timeout: float = 60.0) -> str:
     raise RuntimeError(f"{path} did not appear within {timeout:.0f} s")
 
 
-def reference(peers: list[dict], epochs: int, strict: bool) -> tuple[list[dict], list]:
-    """Replay the swarm's mini-batches in one process: per step its loss on them, and the final parameters."""
+def reference(peers: list[dict], epochs: int, strict: bool, fresh: bool = False) -> tuple[list[dict], list[dict]]:
+    """Replay the swarm's mini-batches in one process: per step its loss on them, and its parameters of every
+    version (``snapshots[v]``: after v steps). Each
+    mini-batch's gradient is computed at the reference's parameters of the version the swarm computed it at, or,
+    with ``fresh``, at the step's own version (training without delay)."""
+    import copy
+
     import torch
 
     from dedloc_worker.swarm import inner_optimizer
@@ -192,6 +222,8 @@ def reference(peers: list[dict], epochs: int, strict: bool) -> tuple[list[dict],
     # hivemind's state averager starts the optimizer with a virtual step on zero gradients (Adam's step count is 1
     # at the first real step, which then moves 0.74 lr, not lr): the reference starts the same way
     initialize_optimizer_state_(optimizer)
+    snapshots = [copy.deepcopy(model.state_dict())]  # the reference's parameters of each version
+    at_version = make_model()
     rows = []
     for epoch in range(epochs):
         parts = [p["steps"].get(str(epoch)) for p in peers]
@@ -200,15 +232,19 @@ def reference(peers: list[dict], epochs: int, strict: bool) -> tuple[list[dict],
             continue
         total = sum(len(part["batches"]) for part in parts) * BATCH
         summed = [torch.zeros_like(p) for p in model.parameters()]
-        losses = []
+        losses, stale = [], 0
         for part in parts:  # hivemind's weighting: each peer's mean gradient times its samples
             mean = [torch.zeros_like(p) for p in model.parameters()]
-            for index in part["batches"]:
-                model.zero_grad()
-                loss = batch_loss(model, index)
+            own = len(snapshots) - 1
+            for index, version in zip(part["batches"], part.get("versions") or [own] * len(part["batches"])):
+                version = own if fresh else min(version, own)
+                stale += version < own
+                at_version.load_state_dict(snapshots[version])
+                at_version.zero_grad()
+                loss = batch_loss(at_version, index)
                 loss.backward()
                 losses.append(loss.item())
-                for acc, p in zip(mean, model.parameters()):
+                for acc, p in zip(mean, at_version.parameters()):
                     acc.add_(p.grad)
             weight = len(part["batches"]) * BATCH / total
             for acc, m in zip(summed, mean):
@@ -216,13 +252,14 @@ def reference(peers: list[dict], epochs: int, strict: bool) -> tuple[list[dict],
         for p, grad in zip(model.parameters(), summed):
             p.grad = grad
         optimizer.step()
+        snapshots.append(copy.deepcopy(model.state_dict()))
         swarm_losses = [loss for part in parts for loss in part["losses"]]
-        mine = parameters(model)
         rows.append(dict(epoch=epoch, peers=len(parts), swarm_loss=sum(swarm_losses) / len(swarm_losses),
-                         reference_loss=sum(losses) / len(losses),
+                         reference_loss=sum(losses) / len(losses), stale_batches=stale,
                          round_formed=all(len(part["group"]) == PEERS for part in parts) and len(parts) == PEERS,
-                         param_diff=max(max_difference(part["params"], mine) for part in parts)))
-    return rows, [p.detach().flatten().tolist() for p in model.parameters()]
+                         param_diff=max(max_difference(part["params"], version_parameters(
+                             snapshots, part.get("params_version", len(snapshots) - 1))) for part in parts)))
+    return rows, snapshots
 
 
 def measure(mode: str, dpu: bool, epochs: int, timeout: float) -> dict:
@@ -247,18 +284,27 @@ def measure(mode: str, dpu: bool, epochs: int, timeout: float) -> dict:
         return dict(row, error=f"a peer did not finish within {timeout:.0f} s (logs in {work}): {tail}")
     peers = [json.loads(path.read_text()) for path in results]
     shutil.rmtree(work, ignore_errors=True)
-    steps, params = reference(peers, epochs, strict)
+    steps, snapshots = reference(peers, epochs, strict)
     gaps = [abs(s["swarm_loss"] - s["reference_loss"]) for s in steps]
+    fresh, _ = reference(peers, epochs, strict, fresh=True)
+    fresh_gaps = [abs(s["swarm_loss"] - f["reference_loss"]) for s, f in zip(steps, fresh)]
     row.update(compared_steps=len(steps), steps_with_both_peers=sum(s["peers"] == PEERS for s in steps),
                dropped_batches=sum(p["dropped"] for p in peers), loss_gap=round(sum(gaps) / len(gaps), 6),
-               loss_gap_max=round(max(gaps), 6), first_loss=round(steps[0]["reference_loss"], 4),
+               loss_gap_max=round(max(gaps), 6), loss_gap_vs_fresh=round(sum(fresh_gaps) / len(fresh_gaps), 6),
+               stale_batches=sum(s["stale_batches"] for s in steps), first_loss=round(steps[0]["reference_loss"], 4),
                last_loss=round(steps[-1]["reference_loss"], 4), curve=steps)
     row.update(rounds_formed=sum(s["round_formed"] for s in steps), param_diff_last_step=steps[-1]["param_diff"],
                param_diff_max=max(s["param_diff"] for s in steps),
-               param_diff_final=max(max_difference(p["params"], params) for p in peers))
+               param_diff_final=max(max_difference(p["params"], version_parameters(snapshots, p["params_version"]))
+                                    for p in peers))
     for step in steps:
         step["param_diff"] = float(f"{step['param_diff']:.3g}")
     return row
+
+
+def version_parameters(snapshots: list[dict], version: int) -> list[list[float]]:
+    """The reference's parameters of ``version`` (the newest it has, if the swarm's is ahead), flattened."""
+    return [tensor.flatten().tolist() for tensor in snapshots[min(version, len(snapshots) - 1)].values()]
 
 
 def max_difference(left: list[list[float]], right: list[list[float]]) -> float:
@@ -270,19 +316,22 @@ def markdown(rows: list[dict]) -> str:
              "Written by `python -m bench.equivalence` (part of `make bench`): two peers running the worker's swarm "
              "code on a tiny MLP (synthetic data,", f"a fixed order), global batch {TARGET_BATCH} of mini-batches of "
              f"{BATCH}, AdamW lr {LR}, against one process replaying the same mini-batches per step. Loss gap: mean "
-             "(max) |swarm - reference| of", "the per-step loss. strict: no delayed updates, plain mean, deterministic "
+             "(max) |swarm - reference| of", "the per-step loss, the reference computing each mini-batch at the parameters' version", "the swarm computed it at "
+             "(with delayed updates a step's first mini-batches are one version behind: stale); vs fresh: against "
+             "training without delay. strict: no delayed updates, plain mean, deterministic "
              "kernels. Rounds formed: steps whose gradient round held both peers", "(not checked with delayed updates, "
              "whose rounds close in the background). Method: docs/benchmarks.md#equivalence.", "",
              "| mode | dpu | steps | rounds formed | loss first -> last | loss gap mean | loss gap max | "
-             "params diff, last step | params diff, max | dropped batches | run |",
-             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "stale batches | loss gap vs fresh | params diff, last step | params diff, max | dropped batches | run |",
+             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['mode']} | {'on' if r['dpu'] else 'off'} | error: {r['error'][:80]} |")
             continue
         lines.append(f"| {r['mode']} | {'on' if r['dpu'] else 'off'} | {r['compared_steps']} | "
                      f"{'-' if r['dpu'] else r['rounds_formed']} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | "
-                     f"{r['loss_gap']:.4f} | {r['loss_gap_max']:.4f} | {r['param_diff_last_step']:.1e} | "
+                     f"{r['loss_gap']:.4f} | {r['loss_gap_max']:.4f} | {r['stale_batches']} | "
+                     f"{r['loss_gap_vs_fresh']:.4f} | {r['param_diff_last_step']:.1e} | "
                      f"{r['param_diff_max']:.1e} | {r['dropped_batches']} | {r.get('attempt', 1)} |")
     return "\n".join(lines) + "\n"
 

@@ -97,6 +97,7 @@ class CoordinatorNode:
         self.checkpointer = None
         self.spot_checker = None
         self.denylist_sent: tuple[Optional[list], float] = (None, 0.0)  # usernames last published, and when
+        self.plan_sent: tuple[Optional[object], float] = (None, 0.0)  # the plan record last published, and when
         self.acked: dict[str, tuple[int, float]] = {}  # peer key -> (epoch acknowledged, when: time.monotonic())
 
     def serve(self, stop: threading.Event) -> None:
@@ -258,12 +259,19 @@ class CoordinatorNode:
         if denylist is not None:
             publish_denylist(dht, self.config.run_id, self.signature, denylist)
             self.denylist_sent = (denylist["usernames"], time.monotonic())
-        if plan is not None:
+        if plan is not None and self._plan_due(plan):
             publish_plan(dht, self.config.run_id, self.signature, plan)
+            self.plan_sent = (plan, time.monotonic())
         if acks:
             publish_acks(dht, self.config.run_id, self.signature, [AckRecord(**ack) for ack in acks])
             now = time.monotonic()
             self.acked.update({ack["peer_key"]: (ack["epoch"], now) for ack in acks})
+
+    def _plan_due(self, plan) -> bool:
+        """A new plan, or the one published a third of its record's lifetime ago: every store is signed RPCs to
+        every node that holds it, on the CPU of peers that train."""
+        sent, at = self.plan_sent
+        return plan is not sent or time.monotonic() - at >= TOKEN_RECORD_TTL / 3
 
     def _denylist_due(self, session, run) -> Optional[dict]:
         """The signed denylist when it changed or the one published is a third of its lifetime old, else None: each

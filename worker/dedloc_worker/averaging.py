@@ -325,9 +325,11 @@ class PlannedAverager(DecentralizedAverager):
                     self._note_runner(outcome, group_info)
             return dict(zip(group_info.peer_ids, user_gathered))
         except BaseException as e:
-            if isinstance(e, Exception):
+            from .terminal import peer_failure
+
+            if isinstance(e, Exception) and not peer_failure(e):  # a fault here: its traceback is wanted
                 logger.exception(e)
-            raise MatchmakingException(f"Unable to run All-Reduce: {e}")
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}")  # hivemind logs it (terminal.BROKE_OFF)
 
     async def _run_allreduce_inplace_(
         self, tensors, group_info: GroupInfo, group_id: Optional[bytes] = None,

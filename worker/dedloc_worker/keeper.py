@@ -142,7 +142,8 @@ class AdmissionKeeper(threading.Thread):
             for name in sorted(set(newest.usernames) - set(self.denylist.usernames) - {self.token.username}):
                 self.say(f"{name} was banned from this run by its organizers: refused from now on")
         self.denylist = newest
-        if in_dht is None or in_dht.issued_at < newest.issued_at or self.rounds % RECALL_EVERY == 0:
+        # The portal signs its list afresh at each request: a newer issue of the same names is no news to the DHT.
+        if in_dht is None or set(in_dht.usernames) != set(newest.usernames) or self.rounds % RECALL_EVERY == 0:
             publish_denylist(self.dht, self.run_id, self.signature, newest.dict())
         return list(newest.usernames)
 

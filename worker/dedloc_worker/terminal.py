@@ -10,6 +10,8 @@ from __future__ import annotations
 import logging
 import re
 
+BROKE_OFF = ("an averaging round broke off (a peer left or stopped answering); this step uses this peer's own "
+             "gradients, and the next round tries again")
 NO_GROUP = ("no averaging group formed this round (the other peers were busy or gone); this step uses this "
             "peer's own gradients, and the next round tries again")
 # Messages whose text says all there is to say about an expected event: (pattern, one line or None to drop).
@@ -31,27 +33,43 @@ SHUTDOWN_NOISE = re.compile(r"Task was destroyed but it is pending|cannot reuse 
                             r"Can't set_result to a future that is CANCELLED")
 
 
+def peer_failure(error: BaseException | None) -> bool:
+    """Whether an averaging round failed because of the network or the other peers (one left, stopped answering or
+    sent too little in time), as opposed to a fault in this code, which keeps its traceback."""
+    from hivemind.averaging.matchmaking import MatchmakingException
+    from hivemind.averaging.partition import AllreduceException
+    from hivemind.p2p import P2PDaemonError, P2PHandlerError
+
+    return isinstance(error, (TimeoutError, ConnectionError, EOFError, StopAsyncIteration, AllreduceException,
+                              MatchmakingException, P2PDaemonError, P2PHandlerError))
+
+
 class ExpectedEvents(logging.Filter):
     """Rewrites expected events into one line, without the traceback."""
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.exc_info and isinstance(record.exc_info[1], GeneratorExit):
             return False  # a DHT coroutine closed because its caller stopped waiting: nothing failed
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and str(error).startswith("Unable to run All-Reduce") and \
+                peer_failure(error.__cause__ or error.__context__):  # hivemind's wrapper of what the round met
+            return self._one_line(record, BROKE_OFF)
         if record.exc_info and isinstance(record.exc_info[1], PermissionError):  # admission.Refused: doing its job
-            record.msg, record.args = f"refused a call: {record.exc_info[1]}", ()
-            record.exc_info = record.exc_text = record.stack_info = None
-            record.levelno, record.levelname = logging.WARNING, "WARN"
-            return True
+            return self._one_line(record, f"refused a call: {record.exc_info[1]}")
         message = record.getMessage()
         for pattern, line in EXPECTED:
             match = pattern.search(message)
             if match:
                 if line is None:
                     return False
-                record.msg, record.args = match.expand(line), ()
-                record.exc_info = record.exc_text = record.stack_info = None
-                record.levelno, record.levelname = logging.WARNING, "WARN"
-                return True
+                return self._one_line(record, match.expand(line))
+        return True
+
+    @staticmethod
+    def _one_line(record: logging.LogRecord, line: str) -> bool:
+        record.msg, record.args = line, ()
+        record.exc_info = record.exc_text = record.stack_info = None
+        record.levelno, record.levelname = logging.WARNING, "WARN"
         return True
 
 
