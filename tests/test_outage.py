@@ -12,7 +12,7 @@ from sqlalchemy import select
 from app.core.database import make_engine, make_sessionmaker
 from app.models import Contribution
 from app.runs import registry
-from tests.support.harness import wait_for
+from tests.support.harness import local_epoch, wait_for
 from tests.test_swarm import confirmed_truth
 
 pytestmark = pytest.mark.swarm
@@ -56,7 +56,8 @@ def test_a_coordinator_down_longer_than_records_live_credits_every_claim_when_it
     deployment.kill("coordinator")  # a crash: no goodbye; its children reaped as its supervisor would
     deployment.reap("coordinator")
     down_at = max(epoch for _, epoch in claims_in_database(deployment))
-    time.sleep(20)  # the workers train on: a few epochs nobody records
+    wait_for(lambda: all(local_epoch((deployment.logs / f"{name}.log").read_text()) >= down_at + 3 for name in workers),
+             60, "the workers to train on: a few epochs nobody records")
     set_state(deployment, "paused")
     time.sleep(3 * TTL + 6)  # paused: nothing closes an epoch; a record not kept alive would be gone
     assert all(deployment.processes[name].poll() is None for name in workers), "a worker ended early"

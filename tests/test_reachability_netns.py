@@ -6,7 +6,6 @@ switch; both tests share one swarm (olga on the open host, hana at home)."""
 
 from __future__ import annotations
 
-import re
 import shutil
 import sys
 import time
@@ -20,7 +19,7 @@ from app.core.database import make_engine, make_sessionmaker
 from app.core.processes import spawn
 from app.models import Contribution, Peer
 from tests.support import netns
-from tests.support.harness import Deployment, wait_for
+from tests.support.harness import Deployment, local_epoch, wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.skipif(netns.unavailable() is not None,
                                                     reason=str(netns.unavailable()))]
@@ -103,11 +102,6 @@ def test_an_open_host_stays_a_full_peer_and_one_behind_nat_becomes_a_client_by_i
     plan = wait_for(lambda: (lambda p: p if len(p["peers"]) == 2 else None)(
         deployment.get(f"/api/v1/runs/{deployment.slug}/plan")), 60, "a plan with both")
     assert {peer["username"]: peer["role"] for peer in plan["peers"]} == {"olga": "aggregator", "hana": "client"}
-
-
-def local_epoch(text: str) -> int:
-    """The epoch a worker is at, by the last progress line of its log (printed as its epoch changes)."""
-    return int(re.findall(r"^epoch (\d+) \|", text, re.MULTILINE)[-1])
 
 
 def test_a_worker_whose_link_was_down_30_s_rejoins_without_a_restart_and_is_credited_again(swarm, internet):

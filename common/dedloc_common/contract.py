@@ -69,6 +69,9 @@ def metrics_key(run_id: str) -> str:
     return f"{run_id}_metrics"
 
 
+STATE_EVERY = 10  # OptimizerOptions.average_state_every by default (docs/benchmarks.md#where-a-swarm-spends-its-cpu)
+
+
 class OptimizerOptions(BaseModel):
     """How the swarm optimizes and averages. Times are seconds. The defaults suit peers across the internet (after
     hivemind's examples); loopback swarms (the demo, the tests) set shorter times themselves."""
@@ -98,6 +101,10 @@ class OptimizerOptions(BaseModel):
     # so that a peer that fails mid-round fails its group only (docs/averaging.md#groups). 8 as in sahajBERT; at
     # least 3, since groups of at most 2 leave one peer of an odd swarm alone, averaging with nobody.
     group_size: int = Field(8, ge=3, le=1024)
+    # Peers that averaged a step's gradients take the same step, so their parameters agree without averaging them;
+    # averaging the parameters too (hivemind's state averaging: a second matchmaking and all-reduce of the whole
+    # model) is there to pull back a peer that stepped alone. Every this many steps (hivemind averages at every one).
+    average_state_every: int = Field(STATE_EVERY, ge=1)
 
 
 # Loopback swarms (the demo, the tests): every peer on one machine, rounds form in well under a second.

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -40,6 +41,12 @@ def free_port() -> int:
 def tagged_processes(tag: str) -> list[int]:
     """Live processes whose environment carries ``DEDLOC_TEST_TAG=tag``."""
     return processes_tagged(TAG, tag)
+
+
+def local_epoch(text: str) -> int:
+    """The epoch a worker is at, by the last progress line of its log (printed as its epoch changes); -1 before."""
+    found = re.findall(r"^epoch (\d+) \|", text, re.MULTILINE)
+    return int(found[-1]) if found else -1
 
 
 def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.5):

@@ -11,6 +11,10 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
    ``averaging.guard_weightless_parts`` (``create_optimizer``).
 7. Starting an averager sets SIGINT to "ignore" in the *calling* process (``run_in_background``), so Ctrl-C no
    longer stops the worker: ``create_optimizer`` puts the caller's handler back.
+10. Progress stored after every mini-step: ``tracker.ThrottledProgressTracker`` (``_make_progress_tracker``).
+11. Matchmaking reads the group key back to back while it waits: ``matchmaking.pace_matchmaking``
+    (``create_optimizer``).
+12. State averaging at every step: ``average_state_every`` from the run's options (``create_optimizer``).
 """
 
 from __future__ import annotations
@@ -251,8 +255,10 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
     :param attest: ``PlannedAverager``'s ``attest`` callback (``receipts.ReceiptLog.note_attestation``)
     """
     from .averaging import PlannedGradientAverager, guard_weightless_parts
+    from .matchmaking import pace_matchmaking
 
     guard_weightless_parts()
+    pace_matchmaking()
 
     opt = config.optimizer
     # hivemind warns (and can deadlock) when a request may outlive matchmaking; both averagers get this.
@@ -270,6 +276,7 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
         batch_size_per_step=None if aux else config.batch_size,
         matchmaking_time=opt.matchmaking_time,
         averaging_timeout=opt.averaging_timeout,
+        average_state_every=opt.average_state_every,
         delay_optimizer_step=opt.delay_optimizer_step,
         delay_grad_averaging=opt.delay_grad_averaging,
         grad_compression=gradient_compression(opt),
