@@ -309,3 +309,13 @@ def test_averagers_meet_only_under_the_same_group_key(three_averagers):
     finally:
         for averager in three_averagers:
             averager.set_group_bits("")
+
+
+def test_state_is_averaged_every_step_once_the_swarm_averages_gradients_in_groups():
+    from dedloc_worker.swarm import state_averaging_period
+
+    # within one group every peer takes the same step: the run's period holds
+    assert [state_averaging_period(n, group_size=8, configured=10) for n in (1, 2, 8)] == [10, 10, 10]
+    # beyond it, gradient groups take different steps and only state averaging mixes them
+    assert [state_averaging_period(n, group_size=8, configured=10) for n in (9, 100)] == [1, 1]
+    assert state_averaging_period(2, group_size=8, configured=1) == 1

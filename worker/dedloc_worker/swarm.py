@@ -295,6 +295,13 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
     return optimizer
 
 
+def state_averaging_period(num_peers: int, group_size: int, configured: int) -> int:
+    """Steps between two state averagings. A swarm larger than ``group_size`` averages gradients in groups, and
+    only state averaging mixes parameters across them (docs/averaging.md#groups): every step then. Within one group
+    every peer takes the same step, and ``configured`` (``OptimizerOptions.average_state_every``) holds."""
+    return 1 if num_peers > group_size else configured
+
+
 def robust_rule(config: RunConfig):
     """The run's ``robust.RobustRule``, or None where it averages with the plain mean. The cap's grace is one
     matchmaking time: the most a sender's epoch can have begun before the aggregator's."""

@@ -16,7 +16,7 @@ from dedloc_common.contract import (RECENT_EPOCHS_KEPT, EpochContribution, LinkR
 from .errors import TrainingError, WorkerError
 from .records import publish_metrics
 from .spot_checks import GradientSum, checkable, epoch_seed
-from .swarm import create_optimizer, restore
+from .swarm import create_optimizer, restore, state_averaging_period
 
 
 LEAVE_GRACE = 2.0  # seconds a leaving peer keeps serving the round it just finished
@@ -146,6 +146,10 @@ def train(
                 contributions.append(contribution)
                 every_contribution.append(contribution)
                 link = follower.after_epoch(opt.grad_averager) if follower else None
+                # hivemind reads this attribute at every epoch: it follows the swarm's size
+                opt.average_state_every = state_averaging_period(opt.tracker.global_progress.num_peers,
+                                                                 config.optimizer.group_size,
+                                                                 config.optimizer.average_state_every)
                 record = metrics_record(username, opt, contributions, addrs, hardware, link, reachability)
                 publish_metrics(dht, config.run_id, signature, record)
             if tally.epoch != opt.local_epoch:
