@@ -24,7 +24,7 @@ from pathlib import Path
 import httpx
 
 from app.cli.demo import DEMO_TASK, write_corpus
-from app.core.processes import spawn, stop_all
+from app.core.processes import group_members, spawn, stop_all
 from dedloc_common.contract import LOOPBACK_OPTIMIZER
 from bench import write_results
 
@@ -115,10 +115,22 @@ def swarm_rate(task_name: str, dpu: bool, compression: str, seconds: float, corp
         end, t1 = swarm(url)["epoch"], time.monotonic()
         failed = sum(open(work / f"peer{i}.log").read().count("no averaging group formed") for i in range(PEERS))
         return dict(swarm_samples_per_second=round((end - begin) * spec["target_batch_size"] / (t1 - t0), 1),
-                    epochs=end - begin, failed_rounds=failed)
+                    epochs=end - begin, failed_rounds=failed, ctrl_c_seconds=ctrl_c(started[-1]))
     finally:
         stop_all(started[2:])
         stop_all(started[:2])
+
+
+def ctrl_c(worker: subprocess.Popen, timeout: float = 30.0) -> float | None:
+    """Seconds from Ctrl-C (SIGINT, as a terminal sends it) on a training worker until it and every process it
+    started have ended; None past ``timeout``."""
+    start = time.monotonic()
+    worker.send_signal(signal.SIGINT)
+    while time.monotonic() - start < timeout:
+        if worker.poll() is not None and not group_members(worker.pid):
+            return round(time.monotonic() - start, 2)
+        time.sleep(0.05)
+    return None
 
 
 def swarm(url: str) -> dict:
@@ -151,10 +163,10 @@ def markdown(rows: list[dict]) -> str:
              "coordinator and an idle portal, against", f"{PEERS} solo processes at once, batch {BATCH}, "
              "same cores; window and method: docs/benchmarks.md#training.", "",
              "| task | peers | dpu | compression | swarm samples/s | solo samples/s | efficiency | epochs | "
-             "failed rounds |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "failed rounds | Ctrl-C on a worker, s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['task']} | {r['peers']} | {'on' if r['dpu'] else 'off'} | {r['compression']} | "
               f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} | {r['efficiency']:.2f} | "
-              f"{r['epochs']} | {r['failed_rounds']} |" for r in rows]
+              f"{r['epochs']} | {r['failed_rounds']} | {r.get('ctrl_c_seconds')} |" for r in rows]
     return "\n".join(lines) + "\n"
 
 

@@ -46,6 +46,7 @@ def tagged_processes(variable: str, value: str) -> list[int]:
             continue
     return found
 
+
 def group_members(pgid: int) -> list[int]:
     """Live (non-zombie) processes of group ``pgid``."""
     return [process.pid for process in live_processes() if process.group == pgid]
