@@ -87,6 +87,9 @@ class OptimizerOptions(BaseModel):
     compression: Literal["none", "fp16", "uint8"] = "none"
     matchmaking_time: float = Field(5.0, gt=0)
     averaging_timeout: float = Field(60.0, gt=0)
+    # A sender (an aggregator) silent this long (twice this) between two parts of a round is dropped from it; None:
+    # hivemind's default, matchmaking_time. Peers that share few cores with many processes stall for longer.
+    next_chunk_timeout: Optional[float] = Field(None, gt=0)
     # Progress records of dead peers linger this long (seconds); short keeps survivors at full speed.
     metadata_expiration: float = Field(60.0, gt=0)
     delay_optimizer_step: bool = False

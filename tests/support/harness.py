@@ -97,7 +97,10 @@ class Deployment:
 
     def create_run(self, target_batch_size: int = 2048, batch_size: int = 16, checkpoints: dict | None = None,
                    **optimizer) -> None:
-        options = {"matchmaking_time": 1.0, "averaging_timeout": 10.0, "metadata_expiration": 10.0, **optimizer}
+        # next_chunk_timeout: three to five workers, their DHTs and averagers and the portal share two cores here,
+        # and an averager process starved for over a second dropped a sender from the round (a partial round)
+        options = {"matchmaking_time": 1.0, "averaging_timeout": 10.0, "metadata_expiration": 10.0,
+                   "next_chunk_timeout": 3.0, **optimizer}
         # No checkpoints and no spot checks: a state download every few epochs is cores these tests need for their
         # rounds (tests/test_real_models.py checks checkpoints, tests/test_spot_checks.py spot checks, on their own).
         checkpoints = {"every_epochs": 10**6, "spot_check_rate": 0.0, **(checkpoints or {})}

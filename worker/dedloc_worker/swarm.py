@@ -277,6 +277,7 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
         matchmaking_time=opt.matchmaking_time,
         averaging_timeout=opt.averaging_timeout,
         average_state_every=opt.average_state_every,
+        next_chunk_timeout=opt.next_chunk_timeout,
         delay_optimizer_step=opt.delay_optimizer_step,
         delay_grad_averaging=opt.delay_grad_averaging,
         grad_compression=gradient_compression(opt),
