@@ -69,7 +69,7 @@ def metrics_key(run_id: str) -> str:
     return f"{run_id}_metrics"
 
 
-STATE_EVERY = 10  # OptimizerOptions.average_state_every by default (docs/benchmarks.md#where-a-swarm-spends-its-cpu)
+STATE_EVERY = 1  # OptimizerOptions.average_state_every by default: hivemind's (docs/hivemind.md#pitfalls, 12)
 
 
 class OptimizerOptions(BaseModel):
@@ -106,7 +106,7 @@ class OptimizerOptions(BaseModel):
     group_size: int = Field(8, ge=3, le=1024)
     # Peers that averaged a step's gradients take the same step, so their parameters agree without averaging them;
     # averaging the parameters too (hivemind's state averaging: a second matchmaking and all-reduce of the whole
-    # model) is there to pull back a peer that stepped alone. Every this many steps (hivemind averages at every one).
+    # model) is there to pull back a peer that stepped alone. Every this many steps.
     average_state_every: int = Field(STATE_EVERY, ge=1)
 
 
