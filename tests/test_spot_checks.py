@@ -222,6 +222,10 @@ def test_a_worker_sending_flipped_gradients_is_held_by_a_spot_check_and_an_hones
     checks = wait_for(both_checked, 90, "spot checks of both workers", interval=1.0)
     assert [c.passed for c in checks["alice"]] == [True] * len(checks["alice"]), [c.evidence for c in checks["alice"]]
     assert [c.passed for c in checks["mallory"]] == [False] * len(checks["mallory"])
+    # each recomputed on the checked peer's own parameters: after a round one of them missed, alice's and mallory's
+    # parted (an honest alice scored cosine +0.49 against mallory's parameters once)
+    lines = [line for line in (deployment.logs / "coordinator.log").read_text().splitlines() if "spot check of" in line]
+    assert lines and all("on its own state" in line for line in lines), lines
     # her gradient points away from the true one (-1 when her parameters are the checker's; about -0.7 was seen
     # where her last round had partly failed and her parameters had drifted from the collaboration's)
     assert max(c.cosine for c in checks["mallory"]) < 0, [c.evidence for c in checks["mallory"]]

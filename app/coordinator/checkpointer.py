@@ -41,9 +41,9 @@ class Checkpointer(threading.Thread):
                                                                                             config.task_options)}
         self.task = build_task(config, paths)
         opt = config.optimizer
-        from hivemind.optim.state_averager import TrainingStateAverager
+        from app.coordinator.state_download import PeerStateAverager
 
-        self.averager = TrainingStateAverager(
+        self.averager = PeerStateAverager(
             dht=dht, prefix=f"{config.run_id}_state_averager", params=self.task.model.parameters(),
             optimizer=inner_optimizer(opt), scheduler=scheduler_factory(opt),
             # As hivemind.Optimizer builds the workers' (offloaded optimizer): the state has the same tensors.
@@ -110,6 +110,20 @@ class Checkpointer(threading.Thread):
         if self.averager.local_epoch > before:
             self.held_epoch = self.averager.local_epoch
         return self.held_epoch
+
+    def download_from(self, peer_id: str) -> Optional[tuple[int, list]]:
+        """(epoch, parameters) of the state ``peer_id`` serves, in the model's parameter order, leaving the held
+        state as it is (hold ``lock``); None when that peer serves none or the download failed."""
+        try:
+            served = self.averager.download_from(peer_id, timeout=CHUNK_TIMEOUT)
+        except Exception as e:  # a peer that left, or one in client mode (it serves nothing)
+            logger.info("could not download the state of peer %s: %s: %s", peer_id, type(e).__name__, e)
+            return None
+        shapes = [p.shape for p in self.task.model.parameters()]
+        if served is None or not isinstance(served[0].get("epoch"), int) or len(served[1]) < len(shapes) or any(
+                t.shape != shape for t, shape in zip(served[1], shapes)):
+            return None
+        return served[0]["epoch"], list(served[1][:len(shapes)])
 
     def save(self, final: bool = False) -> Optional[int]:
         with self.lock:

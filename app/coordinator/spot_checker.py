@@ -2,8 +2,8 @@
 peer's own data with the parameters of their epoch, and records the verdict (``app.credit.spot_checks``).
 
 When the swarm reaches a new epoch, each training peer is picked with the run's ``spot_check_rate`` (drawn here,
-after the peer computed, so a peer cannot know which of its epochs will be checked). If any is, the checker downloads
-the collaboration's state through the checkpointer's averager (the parameters every peer computes on in that epoch),
+after the peer computed, so a peer cannot know which of its epochs will be checked). For each one picked, the checker
+downloads that peer's own state through the checkpointer's averager (the parameters it computes on in that epoch),
 waits for the picked peers' claims of that epoch, redraws their batches (``dedloc_worker.spot_checks``) and compares.
 One pick waits at a time: a check costs one peer's epoch of compute and a state download, at most ``rate`` of the
 swarm's compute (docs/spot-checks.md)."""
@@ -45,8 +45,8 @@ class SpotChecker(threading.Thread):
         self.task = build_task(self.config, paths)  # its own model: the checkpointer's stays as downloaded
         self.rng = rng or random.SystemRandom()
         self.planned = -1  # the newest swarm epoch picks were drawn for
-        self.pending: dict[str, int] = {}  # peer key -> the epoch whose claim is to be checked
-        self.params: list = []
+        # peer key -> (the epoch whose claim is checked, the parameters of that epoch, whose state they are)
+        self.pending: dict[str, tuple[int, list, str]] = {}
         self.deadline = 0.0
         self._latest = None
         self._lock = threading.Lock()
@@ -84,17 +84,19 @@ class SpotChecker(threading.Thread):
     def step(self, epoch: int, training: list[str], records: dict) -> None:
         if not self.pending:
             self.pick(epoch, training)
-        for peer_key, at in list(self.pending.items()):
+        for peer_key, (at, params, source) in list(self.pending.items()):
             record = records.get(peer_key)
             claim = next((c for c in record.recent if c.epoch == at), None) if record is not None else None
             if claim is not None:
                 del self.pending[peer_key]
-                self.check(peer_key, claim)
+                self.check(peer_key, claim, params, source)
             elif time.monotonic() > self.deadline or (record is not None and moved_past(record, at)):
                 del self.pending[peer_key]  # it left, or reloaded its state and skipped that epoch: no claim comes
 
     def pick(self, epoch: int, training: list[str]) -> None:
-        """Draw the peers to check at ``epoch``; for any, download the parameters they compute on."""
+        """Draw the peers to check at ``epoch``; for each, download the parameters it computes on: its own state
+        (another peer's may have drifted after a round the checked one missed), or the collaboration's where it
+        serves none (a client-mode peer)."""
         if epoch <= self.planned:
             return
         self.planned = epoch
@@ -102,17 +104,28 @@ class SpotChecker(threading.Thread):
         chosen = [peer_key for peer_key in training if self.rng.random() < rate]
         if not chosen:
             return
-        with self.checkpointer.lock:
-            if self.checkpointer.download() < 0:
-                return
-            at = self.checkpointer.averager.local_epoch
-            self.params = [p.detach().clone() for p in self.checkpointer.task.model.parameters()]
-        self.planned = max(self.planned, at)
-        self.pending = {peer_key: at for peer_key in chosen}
-        self.deadline = time.monotonic() + CLAIM_WAIT
+        from app.credit.settlement import owners
+        from app.runs import registry
 
-    def check(self, peer_key: str, claim) -> None:
-        """Recompute ``claim`` with the parameters held and record the verdict."""
+        with self.sessions() as session:
+            peer_ids = {key: peer_id for key, (_, peer_id) in
+                        owners(session, registry.get_run(session, self.config.slug), chosen).items()}
+        pending = {}
+        with self.checkpointer.lock:
+            for peer_key in chosen:
+                own = self.checkpointer.download_from(peer_ids[peer_key]) if peer_ids.get(peer_key) else None
+                if own is not None:
+                    pending[peer_key] = (*own, "its own state")
+                elif self.checkpointer.download() >= 0:
+                    pending[peer_key] = (self.checkpointer.averager.local_epoch, [
+                        p.detach().clone() for p in self.checkpointer.task.model.parameters()], "the swarm's state")
+        if pending:
+            self.planned = max(self.planned, *(at for at, _, _ in pending.values()))
+            self.pending = pending
+            self.deadline = time.monotonic() + CLAIM_WAIT
+
+    def check(self, peer_key: str, claim, params: list, source: str) -> None:
+        """Recompute ``claim`` with ``params`` (those of its epoch, from ``source``) and record the verdict."""
         import torch
 
         from app.credit.settlement import owners
@@ -124,7 +137,7 @@ class SpotChecker(threading.Thread):
                         "mini-batches)", peer_key[:8], claim.epoch)
             return
         with torch.no_grad():
-            for param, value in zip(self.task.model.parameters(), self.params):
+            for param, value in zip(self.task.model.parameters(), params):
                 param.copy_(value)
         started = time.monotonic()
         with self.checkpointer.lock:  # a task may reseed the global RNG, which the checkpointer's evaluation uses
@@ -143,7 +156,7 @@ class SpotChecker(threading.Thread):
                          recomputed_loss=loss)
         if verdict.passed:  # rare (the run's rate): one line each, with what it cost
             print(f"spot check of {username}'s peer at epoch {claim.epoch} passed (cosine {verdict.cosine:+.2f}, "
-                  f"{claim.mini_steps} mini-steps recomputed in {seconds:.1f} s)", flush=True)
+                  f"{claim.mini_steps} mini-steps recomputed on {source} in {seconds:.1f} s)", flush=True)
         else:
-            print(f"spot check of {username}'s peer at epoch {claim.epoch} failed, its credit is held: "
-                  f"{verdict.evidence}", flush=True)
+            print(f"spot check of {username}'s peer at epoch {claim.epoch} failed, its credit is held "
+                  f"(recomputed on {source}): {verdict.evidence}", flush=True)
