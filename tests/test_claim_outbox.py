@@ -132,7 +132,8 @@ def worker_and_coordinator():
 @pytest.mark.swarm
 def test_claims_stay_in_the_swarm_until_the_coordinators_signed_acknowledgement(worker_and_coordinator, tmp_path,
                                                                                monkeypatch):
-    monkeypatch.setenv("DEDLOC_METRICS_TTL", "4")
+    ttl = 3  # seconds a record lives; the keeper republishes after a third of it
+    monkeypatch.setenv("DEDLOC_METRICS_TTL", str(ttl))
     worker, coordinator = worker_and_coordinator
     signature = add_record_validators(worker, RUN, RSAPrivateKey())
     coordinator_signature = add_record_validators(coordinator, RUN, RSAPrivateKey())
@@ -168,10 +169,10 @@ def test_claims_stay_in_the_swarm_until_the_coordinators_signed_acknowledgement(
 
         # Nothing new for three lifetimes: the keeper republishes; without it the record expires.
         keeper.start()
-        time.sleep(12)
+        time.sleep(3 * ttl)
         assert published() == list(range(30, 40))
         keeper.halt()
-        time.sleep(6)
+        time.sleep(1.5 * ttl)
         assert published() == []
     finally:
         use_outbox(signature, None)

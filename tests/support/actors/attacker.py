@@ -30,7 +30,7 @@ from hivemind.utils.timed_storage import get_dht_time
 # Seconds a caller waits after its token is in the DHT: a few of the victims' admission rounds (1 s apart, each a
 # few DHT calls and, every 5 s, a request for the portal's denylist); 3 s once left the control refused in a suite.
 ADMISSION_WAIT = 6.0
-RETRIES = 3
+RETRIES = 2
 
 
 class CarriesAnyToken(TokenAuthorizerBase):
