@@ -48,7 +48,7 @@ def outcome_of(deployment, name: str) -> dict:
 
 def test_no_token_forged_expired_stolen_or_banned_gets_nothing_and_a_killed_peer_leaves_a_survivor(deployment):
     deployment.start_swarm(["alice", "bob"], "--max-epochs", "60")
-    wait_for(lambda: deployment.swarm()["peers_online"] == 2, 90, "both workers online")
+    # the victim is alice, training since the first step; the attacks run while bob joins
     victim = wait_for(deployment.worker_addresses, 30, "a worker address")[0]
 
     settings = Settings(data_dir=deployment.workdir / "var")
@@ -84,6 +84,7 @@ def test_no_token_forged_expired_stolen_or_banned_gets_nothing_and_a_killed_peer
         refused = {call: result for call, result in outcome.items() if result.startswith("refused")}
         assert set(refused) == set(CALLS), f"{name}: {outcome}"
 
+    wait_for(lambda: deployment.swarm()["peers_online"] == 2, 90, "both workers online")
     # Then an honest peer dies without a goodbye (SIGKILL): hivemind's children outlive it (docs/hivemind.md#pitfalls,
     # pitfall 3) until its process group is ended, and the survivor carries on alone within the averaging timeout.
     bob = deployment.processes["bob"]

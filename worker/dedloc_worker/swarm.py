@@ -44,6 +44,9 @@ def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, ide
         client_mode=client_mode,
         identity_path=identity_path,
         authorizer=authorizer,
+        # the key is new in every process (identity.PeerIdentity), so hivemind's check that no peer uses it, a second
+        # p2pd that dials our own PeerID, would cost every start a quarter second (more on busy cores) for nothing
+        check_if_identity_free=False,
         start=True,
         **relay_options(client_mode, initial_peers, unreachable),
     )
