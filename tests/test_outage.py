@@ -81,8 +81,16 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     while_paused = claims_in_database(deployment)
 
     set_state(deployment, "active")
-    wait_for(lambda: max(epoch for _, epoch in claims_in_database(deployment)) >= max(
-        epoch for _, epoch in while_paused) + 9, 120, "training to go on after the pause")
+    paused_epoch = max(epoch for _, epoch in while_paused)
+
+    def trained_on() -> bool:  # training went on, and the trainers shared enough epochs to count failed rounds
+        claims = claims_in_database(deployment)
+        trained = {name: sorted(e for (user, e), samples in claims.items() if user == name and samples)
+                   for name in trainers}
+        shared = set(trained["alice"][1:]) & set(trained["bob"][1:])
+        return trained["alice"][-1] >= paused_epoch + 3 and len(shared) >= 12
+
+    wait_for(trained_on, 180, "training to go on after the pause, twelve epochs shared by both trainers")
     assert all(deployment.processes[name].poll() is None for name in workers), "a worker ended early"
     for name in workers:  # volunteers leave with Ctrl-C
         deployment.processes[name].send_signal(signal.SIGINT)
