@@ -110,15 +110,18 @@ class SpotChecker(threading.Thread):
         with self.sessions() as session:
             peer_ids = {key: peer_id for key, (_, peer_id) in
                         owners(session, registry.get_run(session, self.config.slug), chosen).items()}
-        pending = {}
+        pending, swarm_state = {}, None
         with self.checkpointer.lock:
             for peer_key in chosen:
                 own = self.checkpointer.download_from(peer_ids[peer_key]) if peer_ids.get(peer_key) else None
                 if own is not None:
                     pending[peer_key] = (*own, "its own state")
-                elif self.checkpointer.download() >= 0:
-                    pending[peer_key] = (self.checkpointer.averager.local_epoch, [
+                    continue
+                if swarm_state is None and self.checkpointer.download() >= 0:  # once per pick, for every fallback
+                    swarm_state = (self.checkpointer.averager.local_epoch, [
                         p.detach().clone() for p in self.checkpointer.task.model.parameters()], "the swarm's state")
+                if swarm_state is not None:
+                    pending[peer_key] = swarm_state
         if pending:
             self.planned = max(self.planned, *(at for at, _, _ in pending.values()))
             self.pending = pending
