@@ -134,6 +134,41 @@ def test_hivemind_internals_are_those_the_planned_averager_was_written_against()
     # GradientAverager.schedule_step goes through super().step, which must resolve to PlannedAverager.step
     assert "super().step(" in inspect.getsource(GradientAverager.schedule_step)
     assert super(GradientAverager, PlannedGradientAverager).step is PlannedAverager.step
+    # PlannedAverager.rpc_aggregate_part is hivemind's with the runner's future shielded
+    assert "group = await future\n" in inspect.getsource(DecentralizedAverager.rpc_aggregate_part)
+
+
+def test_a_sender_dropping_its_stream_before_the_round_starts_leaves_the_round_startable():
+    """A sender's handler waits for this peer's round to start; when the sender drops its stream (it gave up, its
+    link went down), the handler is cancelled. hivemind's handler awaits the round's shared future bare, so the
+    cancel reached the future and this peer's round then failed to start (``InvalidStateError``); ours shields it."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import anext, as_aiter
+
+    async def drop_a_sender(handler) -> asyncio.Future:
+        averager = SimpleNamespace(_running_groups={b"g": asyncio.Future()}, _pending_groups_registered=asyncio.Event())
+        waiting = asyncio.create_task(anext(handler(averager, as_aiter(averaging_pb2.AveragingData(group_id=b"g")),
+                                                    None)))
+        await asyncio.sleep(0.05)
+        assert not waiting.done()  # the handler got as far as waiting for the round's runner
+        waiting.cancel()
+        await asyncio.gather(waiting, return_exceptions=True)
+        return averager._running_groups[b"g"]
+
+    runner = asyncio.run(drop_a_sender(PlannedAverager.rpc_aggregate_part))
+    assert not runner.done()
+    runner.set_result("the runner")  # what _run_allreduce_inplace_ does as the round starts
+    assert asyncio.run(drop_a_sender(DecentralizedAverager.rpc_aggregate_part)).cancelled()  # hivemind's own
+    # and peers call it as they call hivemind's: the handler hivemind registers from its annotations is the same
+    handlers = {}
+    for servicer in (DecentralizedAverager, PlannedAverager):
+        fresh = type("Fresh", (servicer,), {"_rpc_handlers": None})  # collected anew, not inherited from a parent
+        fresh._collect_rpc_handlers()
+        handlers[servicer] = [h for h in fresh._rpc_handlers if h.method_name == "rpc_aggregate_part"]
+    assert handlers[PlannedAverager] == handlers[DecentralizedAverager] and len(handlers[PlannedAverager]) == 1
 
 
 def test_a_part_whose_senders_all_weigh_nothing_averages_to_zeros_not_nan():

@@ -23,7 +23,9 @@ from hivemind.averaging.load_balancing import load_balance_peers
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.optim.grad_averager import GradientAverager
 from hivemind.utils import MPFuture, get_dht_time, get_logger
-from hivemind.utils.asyncio import as_aiter, azip, enter_asynchronously
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils.asyncio import achain, anext, as_aiter, azip, enter_asynchronously
 
 from .robust import RobustPartReducer, RobustRule, notable_attestations
 
@@ -287,6 +289,25 @@ class PlannedAverager(DecentralizedAverager):
         future = MPFuture()
         self._outer_pipe.send(("_get_last_round", [], dict(future=future)))
         return future.result(timeout)
+
+    async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                                 context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """hivemind 1.1.12's handler, waiting for this group's runner through ``asyncio.shield``. Awaited bare, the
+        runner's future is shared by every sender's handler, and a sender that drops its stream before this peer
+        starts the round cancels the handler and with it the future: the round then failed here with
+        ``InvalidStateError`` (seen in tests/test_reachability_netns.py, as a link came back). Its annotations are
+        what hivemind's ``ServicerBase`` reads the message types from."""
+        request = await anext(stream)
+        if request.group_id not in self._running_groups:
+            # the leader began the round before its reply reached this peer, and a sender got here first
+            await self._pending_groups_registered.wait()
+        future = self._running_groups.get(request.group_id)
+        if future is None:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        group = await asyncio.shield(future)
+        async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
+            yield message
 
     async def _get_last_round(self, future: MPFuture) -> None:
         future.set_result(self._last_round)
