@@ -9,10 +9,12 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -73,7 +75,11 @@ class Deployment:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.tag = uuid.uuid4().hex
+        # Every process's temporary files (keys, tokens, p2pd sockets) in one folder that close() removes, also
+        # those of a process it had to kill. Short, under /tmp: a unix socket's path must fit 108 bytes.
+        self.tmp = Path(tempfile.mkdtemp(prefix="dedloc-test-"))
         self.env = {
+            "TMPDIR": str(self.tmp),
             "DEDLOC_DATA_DIR": str(workdir / "var"),
             "DEDLOC_PORT": str(self.port),
             "DEDLOC_POLL_INTERVAL": "1",
@@ -200,6 +206,7 @@ class Deployment:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+        shutil.rmtree(self.tmp, ignore_errors=True)
 
     # reading -----------------------------------------------------------------------------------------------
     def get(self, path: str):
@@ -236,6 +243,17 @@ class Deployment:
         """What an organizer does: the run's plausible samples/s per peer (``dedloc set-ceiling``)."""
         done = self.cli("set-ceiling", self.slug, str(samples_per_second))
         assert done.returncode == 0, done.stderr
+
+    def set_state(self, state: str) -> None:
+        """What an organizer does on the organize page: pause or resume the run (workers follow within seconds)."""
+        from app.runs import registry
+
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                registry.set_state(session, registry.get_run(session, self.slug), state)
+        finally:
+            engine.dispose()
 
     def held_reasons(self) -> dict[str, list[str]]:
         engine = make_engine(self.database_url)

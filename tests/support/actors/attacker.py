@@ -12,6 +12,7 @@ import argparse
 import asyncio
 import functools
 import json
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -93,6 +94,7 @@ def probe(victim: str, run_id: str, key: RSAPrivateKey, token: AccessToken | Non
         return results
     finally:
         dht.shutdown()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 async def dht_calls(_dht, node, victim_id: PeerID, run_id: str) -> dict:
