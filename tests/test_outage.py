@@ -12,7 +12,6 @@ from sqlalchemy import select
 
 from app.core.database import make_engine, make_sessionmaker
 from app.models import Contribution
-from app.runs import registry
 from tests.support.harness import local_epoch, wait_for
 from tests.test_swarm import confirmed_truth
 
@@ -27,16 +26,6 @@ def claims_in_database(deployment) -> dict[tuple[str, int], int]:
         with make_sessionmaker(engine)() as session:
             rows = session.execute(select(Contribution.username, Contribution.epoch, Contribution.samples))
             return {(username, epoch): samples for username, epoch, samples in rows}
-    finally:
-        engine.dispose()
-
-
-def set_state(deployment, state: str) -> None:
-    """What an organizer does on the organize page: pause or resume the run (workers follow within seconds)."""
-    engine = make_engine(deployment.database_url)
-    try:
-        with make_sessionmaker(engine)() as session:
-            registry.set_state(session, registry.get_run(session, deployment.slug), state)
     finally:
         engine.dispose()
 
@@ -70,7 +59,7 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     down_at = max(epoch for _, epoch in claims_in_database(deployment))
     wait_for(lambda: all(local_epoch((deployment.logs / f"{name}.log").read_text()) >= down_at + 3 for name in trainers),
              60, "the workers to train on: a few epochs nobody records")
-    set_state(deployment, "paused")
+    deployment.set_state("paused")
     time.sleep(3 * TTL + 6)  # paused: nothing closes an epoch; a record not kept alive would be gone
     assert all(deployment.processes[name].poll() is None for name in workers), "a worker ended early"
 
@@ -80,7 +69,7 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     time.sleep(4)  # every record read at least once more
     while_paused = claims_in_database(deployment)
 
-    set_state(deployment, "active")
+    deployment.set_state("active")
     paused_epoch = max(epoch for _, epoch in while_paused)
 
     def trained_on() -> bool:  # training went on, and the trainers shared enough epochs to count failed rounds

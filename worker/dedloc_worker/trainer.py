@@ -117,7 +117,7 @@ def train(
     every_contribution: List[EpochContribution] = []
     peer_key = peer_key_of_subkey(signature.local_public_key)
     tally = open_epoch(task, config, peer_key, opt.local_epoch)
-    run_over = False
+    run_over = paused = False
     try:
         while not stop.is_set():
             target = watch.target_epochs if watch is not None else config.target_epochs
@@ -131,8 +131,15 @@ def train(
                 if watch.state == "finished":
                     run_over = True
                     break
+                if not paused:
+                    print("the run is paused by its organizers: training nothing, still in the swarm; "
+                          "training resumes when they resume it", flush=True)
+                    paused = True
                 stop.wait(watch.interval)  # paused: keep the swarm connection, train nothing
                 continue
+            if paused:
+                print("the run is resumed: training", flush=True)
+                paused = False
             if aux:
                 opt.step()  # joins the round when the swarm is ready for one
                 stop.wait(AUX_POLL)
