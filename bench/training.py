@@ -3,7 +3,8 @@ cores, in one run (docs/benchmarks.md#training).
 
     python -m bench.training [--seconds 40] [--out bench/results/training.json]
 
-Solo: N processes train the task alone at once (no hivemind), each counting its samples over the window.
+Solo: N processes train the task alone at once (no hivemind), each counting its samples over the window, right
+before each swarm row (the solo rate drifts between minutes here).
 Swarm: a portal (idle: workers ask it for their token at join, then only every half-hour), the run's coordinator
 and N workers on loopback; the swarm's rate is what it turns into optimizer steps: epochs completed over the
 window times the global batch. Efficiency = swarm / solo. Rows go to ``training.json`` and ``training.md``.
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -119,6 +121,7 @@ def swarm_rate(task_name: str, dpu: bool, compression: str, seconds: float, corp
     finally:
         stop_all(started[2:])
         stop_all(started[:2])
+        shutil.rmtree(work, ignore_errors=True)
 
 
 def ctrl_c(worker: subprocess.Popen, timeout: float = 30.0) -> float | None:
@@ -180,16 +183,20 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     corpus = Path(tempfile.mkdtemp(prefix="dedloc-bench-corpus-"))
     write_corpus(corpus)
-    rows, solo = [], {}
-    for task, dpu, compression in CONFIGS:
-        if task not in solo:
-            solo[task] = round(solo_rate(task, args.seconds, corpus), 1)
-        measured = swarm_rate(task, dpu, compression, args.seconds, corpus)
-        row = dict(task=task, peers=PEERS, dpu=dpu, compression=compression, solo_samples_per_second=solo[task],
-                   **measured)
-        row["efficiency"] = round(row["swarm_samples_per_second"] / row["solo_samples_per_second"], 3)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
+    rows = []
+    try:
+        for task, dpu, compression in CONFIGS:
+            # Solo right before each swarm: this machine's solo rate moved by 16% between two runs, so a ratio
+            # takes both halves from the same minutes.
+            solo = round(solo_rate(task, args.seconds, corpus), 1)
+            measured = swarm_rate(task, dpu, compression, args.seconds, corpus)
+            row = dict(task=task, peers=PEERS, dpu=dpu, compression=compression, solo_samples_per_second=solo,
+                       **measured)
+            row["efficiency"] = round(row["swarm_samples_per_second"] / row["solo_samples_per_second"], 3)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    finally:
+        shutil.rmtree(corpus, ignore_errors=True)
     write_results(args.out, rows, markdown(rows))
     return 0
 

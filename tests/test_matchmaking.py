@@ -8,8 +8,10 @@ import time
 
 import hivemind.averaging.averager as averager_module
 import pytest
-from dedloc_worker.matchmaking import READS_PER_WINDOW, Paced, PacedMatchmaking, pace_matchmaking
-from dedloc_worker.swarm import create_dht
+import torch
+from dedloc_common.contract import OptimizerOptions, RunConfig
+from dedloc_worker.matchmaking import READS_PER_WINDOW, Paced, PacedMatchmaking
+from dedloc_worker.swarm import create_dht, create_optimizer
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
 
@@ -47,11 +49,22 @@ def test_reads_of_the_group_key_are_paced_and_the_first_is_immediate():
     assert first < interval, first  # the first read does not wait
 
 
-def test_averagers_are_built_with_the_paced_matchmaking():
+def test_a_workers_averagers_are_built_with_the_paced_matchmaking():
     original = averager_module.Matchmaking
+    averager_module.Matchmaking = Matchmaking  # as hivemind ships it
+    dht = create_dht([], "/ip4/127.0.0.1/tcp/0", client_mode=False)
     try:
-        pace_matchmaking()
-        assert averager_module.Matchmaking is PacedMatchmaking and issubclass(PacedMatchmaking, Matchmaking)
+        config = RunConfig(slug="pace", run_id="pace", task="tiny-lm", target_batch_size=64, batch_size=16,
+                           optimizer=OptimizerOptions(matchmaking_time=0.5, averaging_timeout=2.0))
+        opt = create_optimizer(dht, config, torch.nn.Linear(4, 1).parameters(), client_mode=False)
+        try:
+            # installed before the averagers' processes forked, so they match with it too
+            assert averager_module.Matchmaking is PacedMatchmaking and issubclass(PacedMatchmaking, Matchmaking)
+            assert opt.grad_averager.is_alive() and opt.state_averager.is_alive()
+        finally:
+            opt.shutdown()
     finally:
+        dht.shutdown()
         averager_module.Matchmaking = original
+        gc.collect()
     assert READS_PER_WINDOW >= 2

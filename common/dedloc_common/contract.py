@@ -69,7 +69,7 @@ def metrics_key(run_id: str) -> str:
     return f"{run_id}_metrics"
 
 
-STATE_EVERY = 1  # OptimizerOptions.average_state_every by default: hivemind's (docs/hivemind.md#pitfalls, 12)
+STATE_EVERY = 10  # OptimizerOptions.average_state_every by default; hivemind's is 1 (docs/hivemind.md#pitfalls, 12)
 
 
 class OptimizerOptions(BaseModel):

@@ -12,8 +12,8 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
 7. Starting an averager sets SIGINT to "ignore" in the *calling* process (``run_in_background``), so Ctrl-C no
    longer stops the worker: ``create_optimizer`` puts the caller's handler back.
 10. Progress stored after every mini-step: ``tracker.ThrottledProgressTracker`` (``_make_progress_tracker``).
-11. Matchmaking reads the group key back to back while it waits: ``matchmaking.pace_matchmaking`` exists but
-    is not installed (docs/hivemind.md#pitfalls).
+11. Matchmaking reads the group key back to back while it waits: ``matchmaking.pace_matchmaking``
+    (``create_optimizer``, before the averagers fork).
 12. State averaging at every step: ``average_state_every`` from the run's options (``create_optimizer``).
 """
 
@@ -258,8 +258,10 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
     :param attest: ``PlannedAverager``'s ``attest`` callback (``receipts.ReceiptLog.note_attestation``)
     """
     from .averaging import PlannedGradientAverager, guard_weightless_parts
+    from .matchmaking import pace_matchmaking
 
     guard_weightless_parts()
+    pace_matchmaking()
 
     opt = config.optimizer
     # hivemind warns (and can deadlock) when a request may outlive matchmaking; both averagers get this.
