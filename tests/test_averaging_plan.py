@@ -35,6 +35,7 @@ pytestmark = [
 NODE, CLIENT = AveragingMode.NODE, AveragingMode.CLIENT
 ELEMENTS = 100_000  # with 1,000-element parts, every share below falls on a part boundary
 PART_BYTES = 4_000  # 1,000 fp32 values per part
+WAITS = {"min_matchmaking_time": 0.5, "request_timeout": 0.25}  # an averager's matchmaking_kwargs, in part
 
 
 # --- the split rule, alone -------------------------------------------------------------------------------------
@@ -149,7 +150,8 @@ def test_a_sender_dropping_its_stream_before_the_round_starts_leaves_the_round_s
     from hivemind.utils.asyncio import anext, as_aiter
 
     async def drop_a_sender(handler) -> asyncio.Future:
-        averager = SimpleNamespace(_running_groups={b"g": asyncio.Future()}, _pending_groups_registered=asyncio.Event())
+        averager = SimpleNamespace(_running_groups={b"g": asyncio.Future()}, _pending_groups_registered=asyncio.Event(),
+                                   matchmaking_kwargs=WAITS)
         waiting = asyncio.create_task(anext(handler(averager, as_aiter(averaging_pb2.AveragingData(group_id=b"g")),
                                                     None)))
         await asyncio.sleep(0.05)
@@ -169,6 +171,30 @@ def test_a_sender_dropping_its_stream_before_the_round_starts_leaves_the_round_s
         fresh._collect_rpc_handlers()
         handlers[servicer] = [h for h in fresh._rpc_handlers if h.method_name == "rpc_aggregate_part"]
     assert handlers[PlannedAverager] == handlers[DecentralizedAverager] and len(handlers[PlannedAverager]) == 1
+
+
+def test_a_part_for_a_group_that_never_forms_is_answered_within_a_matchmaking_time():
+    """hivemind's handler waits for the next group this peer registers, however long that takes (the control of
+    tests/test_attacks.py timed out while the victim was alone); ours answers BAD_GROUP_ID after a matchmaking time."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.proto import averaging_pb2
+    from hivemind.utils.asyncio import anext, as_aiter
+
+    async def ask(handler):
+        averager = SimpleNamespace(_running_groups={}, _pending_groups_registered=asyncio.Event(),
+                                   matchmaking_kwargs=WAITS)  # looking for a group: no group registered yet
+        reply = handler(averager, as_aiter(averaging_pb2.AveragingData(group_id=b"never")), None)
+        try:
+            return await asyncio.wait_for(anext(reply), 3.0)
+        except asyncio.TimeoutError:
+            return None
+
+    began = time.monotonic()
+    assert asyncio.run(ask(PlannedAverager.rpc_aggregate_part)).code == averaging_pb2.BAD_GROUP_ID
+    assert time.monotonic() - began < 3.0
+    assert asyncio.run(ask(DecentralizedAverager.rpc_aggregate_part)) is None  # hivemind's: still waiting
 
 
 def test_a_part_whose_senders_all_weigh_nothing_averages_to_zeros_not_nan():

@@ -11,6 +11,7 @@ Design, trust and the hivemind internals relied on (pinned by ``tests/test_avera
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import math
 import time
 from dataclasses import dataclass, field
@@ -299,8 +300,13 @@ class PlannedAverager(DecentralizedAverager):
         what hivemind's ``ServicerBase`` reads the message types from."""
         request = await anext(stream)
         if request.group_id not in self._running_groups:
-            # the leader began the round before its reply reached this peer, and a sender got here first
-            await self._pending_groups_registered.wait()
+            # The leader began the round before its reply reached this peer, and a sender got here first: that reply
+            # is due within a matchmaking time. hivemind waits for any next group instead, so a part for a group
+            # that never comes held its handler until this peer's next round (tens of seconds while it is alone).
+            kwargs = self.matchmaking_kwargs
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(self._pending_groups_registered.wait(),
+                                       kwargs["min_matchmaking_time"] + kwargs["request_timeout"])
         future = self._running_groups.get(request.group_id)
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
