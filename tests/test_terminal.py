@@ -31,7 +31,7 @@ def logged(inner: BaseException) -> str:
 
 
 @pytest.mark.parametrize("inner", [asyncio.TimeoutError(), ConnectionResetError("reset by peer"),
-                                   asyncio.IncompleteReadError(b"", 8)])
+                                   asyncio.IncompleteReadError(b"", 8), asyncio.CancelledError()])
 def test_a_round_a_peer_broke_off_is_one_line(inner):
     text = logged(inner)
     assert text.strip() == BROKE_OFF and "Traceback" not in text
