@@ -345,6 +345,14 @@ def test_peers_the_plan_does_not_name_and_no_plan_at_all_fall_back_to_hivemind(t
         assert (outcome.transfers.sent, outcome.transfers.received) == (payload_bytes(outcome),) * 2, (peer, outcome)
 
 
+def test_the_averagers_process_keeps_what_it_inherited_out_of_the_collector(three_averagers):
+    """Pitfall 13: a full collection in a forked averager wrote to every inherited object and stalled the round
+    that had just begun for 0.3-0.5 s (docs/hivemind.md#pitfalls). Unfrozen, the count is 0; torch and hivemind
+    alone are some 10^5 objects."""
+    for averager in three_averagers:
+        assert averager.frozen_objects(timeout=10) > 50_000
+
+
 def test_averagers_meet_only_under_the_same_group_key(three_averagers):
     """How a plan's groups reach the swarm (docs/averaging.md#groups): an averager looks for a group under its
     group key only, so peers the plan puts in different groups never meet, and the same bits bring them together."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import math
 import time
 from dataclasses import dataclass, field
@@ -192,7 +193,7 @@ class CountingAllReduceRunner(AllReduceRunner):
             yield message
 
 
-IN_FLIGHT_PARTS = 4
+IN_FLIGHT_PARTS = int(__import__("os").environ.get("EXP_WINDOW", "4"))
 """Parts a peer sends an aggregator ahead of the averaged results that came back from it: 1 would serialize upload
 and download, unlimited starves the download (docs/benchmarks.md#window-of-parts-in-flight)."""
 
@@ -261,6 +262,20 @@ class PlannedAverager(DecentralizedAverager):
         # peer that joins mid-epoch has not seen how long the others have been accumulating, so it caps nothing.
         self._previous_ended: Optional[float] = None
         super().__init__(*args, **kwargs)
+
+    def run(self) -> None:
+        # The averager's own process, forked: exempt what it inherited from the collector (pitfall 13)
+        gc.freeze()
+        super().run()
+
+    async def _frozen_objects(self, future: MPFuture) -> None:
+        future.set_result(gc.get_freeze_count())
+
+    def frozen_objects(self, timeout: Optional[float] = None) -> int:
+        """Objects of the averager's process that the garbage collector skips (``gc.freeze``, pitfall 13)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_frozen_objects", [], dict(future=future)))
+        return future.result(timeout)
 
     @property
     def plan(self) -> Optional[Dict[str, float]]:

@@ -15,11 +15,15 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
 11. Matchmaking reads the group key back to back while it waits: ``matchmaking.pace_matchmaking``
     (``create_optimizer``, before the averagers fork).
 12. State averaging at every step: ``average_state_every`` from the run's options (``create_optimizer``).
+13. A full garbage collection stalls a process for 0.2-0.5 s, longest in a forked child (it writes to every object
+    it inherited): ``gc.freeze`` before each fork (``create_dht``, ``create_optimizer``) and in the gradient
+    averager's own process (``averaging.PlannedAverager.run``).
 """
 
 from __future__ import annotations
 
 import functools
+import gc
 import signal
 import threading
 import time
@@ -38,6 +42,7 @@ def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, ide
     :param authorizer: checks every DHT request and response (``admission.RunAuthorizer``); None admits all
     :param unreachable: the portal's dial-back found this machine unreachable (see ``relay_options``)
     """
+    gc.freeze()  # pitfall 13
     return hivemind.DHT(
         initial_peers=list(initial_peers),
         host_maddrs=[listen],
@@ -262,6 +267,7 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
 
     guard_weightless_parts()
     pace_matchmaking()
+    gc.freeze()  # pitfall 13: the model and the loaded libraries, before the averagers fork
 
     opt = config.optimizer
     # hivemind warns (and can deadlock) when a request may outlive matchmaking; both averagers get this.
