@@ -34,7 +34,7 @@ from bench import (demo, emulate_averaging, equivalence, load, robust_cost, simu
 from bench.emulate_averaging import ROUNDS
 
 RESULTS = Path("bench/results")
-COLUMNS = ("ring", "equal", "hivemind", "planner", "lower_bound")
+COLUMNS = ("ring", "tcp", "equal", "hivemind", "planner", "lower_bound")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -69,19 +69,21 @@ def markdown_table(rows: Sequence[dict]) -> str:
         "Written by `make bench` (`python -m bench`). `sim`: the round model of `app.planner` on 16-20 peers and a",
         "100 MB vector. `emu`: real hivemind rounds between four network namespaces on `tc tbf` links, a 10 MB",
         "vector, the median of the rounds that passed the check against the true mean (`ring` is gloo's",
-        "all-reduce there). `lower bound`: `app.planner.lower_bound_seconds` for the nominal link rates, without",
+        "all-reduce there; `tcp`, the planner's round as plain TCP traffic between the same peers, the most its",
+        "split can get from these links: `bench/raw_tcp.py`). `lower bound`: `app.planner.lower_bound_seconds` for the nominal link rates, without",
         "hold-back: the planner's groups return results to zero-share and client-mode peers while they upload (plain",
         "hivemind, in the `equal` and `hivemind` columns, holds them back until the upload ends), and send each",
         "aggregator at most 4 parts ahead of its results. Why, and what limits 4x100 here: the docstring of",
         "`bench/emulate_averaging.py`.",
         "",
-        "| profile | mode | ring | equal | hivemind | planner | lower bound | ring / planner | planner / bound "
-        "| planner / equal | notes |",
-        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
+        "| profile | mode | ring | tcp | equal | hivemind | planner | lower bound | ring / planner | planner / bound "
+        "| tcp / bound | planner / tcp | planner / equal | notes |",
+        "| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |",
     ]
     for row in rows:
         cells = [_seconds(row.get(key)) for key in COLUMNS]
         ratios = [_ratio(row.get(a), row.get(b)) for a, b in (("ring", "planner"), ("planner", "lower_bound"),
+                                                               ("tcp", "lower_bound"), ("planner", "tcp"),
                                                                ("planner", "equal"))]
         lines.append(f"| {row['profile']} | {row['mode']} | " + " | ".join(cells + ratios) + f" | {_notes(row)} |")
     return "\n".join(lines) + "\n"

@@ -43,7 +43,7 @@ DEFAULT_OUT = Path("bench/results/averaging_emu.json")
 VECTOR_BYTES = 10**7  # 10 MB: 2.5 million fp32 values per peer
 QUICK_VECTOR_BYTES = 10**6
 MBIT = 1e6 / 8  # bytes per second in one Mbit/s
-MODES = ("ring", "equal", "hivemind", "planner")
+MODES = ("ring", "tcp", "equal", "hivemind", "planner")
 SUBNET = "10.47.0"
 RING_PORT = 29500
 BURST_BYTES = 16384  # tbf bucket; larger GSO packets are split by tbf itself
@@ -304,6 +304,14 @@ def run_mode(averager, config: dict, command: dict) -> dict:
     vectors = [torch.randn(config["elements"], generator=torch.Generator().manual_seed(command["seed"] + j))
                for j in range(world)]
     reply: dict = {"ok": False}
+    if command["cmd"] == "tcp":  # no vector: the planner's round as plain TCP traffic (bench.raw_tcp)
+        from bench import raw_tcp
+
+        raw_tcp.connect(index, config["ips"], config["clients"])
+        began, ended, received = raw_tcp.exchange(command["volumes"], index)
+        ok = received == sum(command["volumes"])
+        return dict(ok=ok, group=world, began=began, ended=ended, error_max=0.0,
+                    **({} if ok else {"error": f"received {received} of {sum(command['volumes'])} bytes"}))
     if command["cmd"] == "ring":
         result, began, ended = ring_allreduce(vectors[index], config)
         reply.update(group=world, began=began, ended=ended)
@@ -360,7 +368,8 @@ def start_peers(star: Star, profile: Profile, elements: int, part_bytes: int, lo
     peers: list[Peer] = []
     for i, ns in enumerate(star.peers):
         peers.append(Peer(ns, logs / f"{re.sub(r'[^A-Za-z0-9]+', '_', name)}-p{i}.log"))
-    config = dict(world=len(peers), elements=elements, ring_master=star.ip(0), part_bytes=part_bytes, robust=robust)
+    config = dict(world=len(peers), elements=elements, ring_master=star.ip(0), part_bytes=part_bytes, robust=robust,
+                  ips=[star.ip(i) for i in range(len(peers))], clients=[link.client for link in profile.links])
     peers[0].send(**config, index=0, ip=star.ip(0), client=profile.links[0].client, initial_peers=[])
     first = peers[0].recv()
     for i, (peer, link) in enumerate(zip(peers[1:], profile.links[1:]), 1):
@@ -385,6 +394,9 @@ def run_profile(name: str, profile: Profile, rounds: int, vector_bytes: int, net
             # (docs/benchmarks.md#unit-of-the-announced-bandwidth)
             "hivemind": [dict(cmd="average", bandwidth=min(link.up, link.down)) for link in profile.links],
             "planner": [dict(cmd="average", shares=plan.shares)] * len(peers),
+            # the planner's round as plain TCP: V * (s_i + s_j) bytes each way between peers i and j (bench.raw_tcp)
+            "tcp": [dict(cmd="tcp", volumes=[0 if j == i else round(vector_bytes * (plan.shares[a] + plan.shares[b]))
+                                             for j, b in enumerate(ids)]) for i, a in enumerate(ids)],
         }
         modes = [mode for mode in MODES if profile.ring or mode != "ring"]
         seconds: dict[str, list[float]] = {mode: [] for mode in modes}
@@ -452,7 +464,8 @@ def result_row(name, profile, vector_bytes, rounds, seconds, failed, fractions, 
         row["ring_note"] = ("not run: gloo (torch.distributed) needs every rank to accept connections, and the "
                             "client-mode peer accepts none")
     for numerator, denominator in (("planner", "lower_bound"), ("planner", "equal"), ("hivemind", "equal"),
-                                   ("equal", "lower_bound"), ("ring", "planner")):
+                                   ("equal", "lower_bound"), ("ring", "planner"),
+                                   ("tcp", "lower_bound"), ("planner", "tcp")):
         if row[numerator] and row[denominator]:
             row[f"{numerator}_over_{denominator}"] = round(row[numerator] / row[denominator], 3)
     row.update(
@@ -486,7 +499,7 @@ def _exit_on_signal(signum, frame):
 
 # --- command line ------------------------------------------------------------------------------------------------
 
-HEADERS = ("ring", "equal", "hivemind", "planner", "lower bound", "planner/bound", "planner/equal", "failed")
+HEADERS = ("ring", "tcp", "equal", "hivemind", "planner", "lower bound", "planner/bound", "planner/equal", "failed")
 
 
 def format_table(rows: Sequence[dict]) -> str:
