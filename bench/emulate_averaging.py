@@ -5,9 +5,10 @@
 
 Four peers, each in its own network namespace, hang off one bridge in a fifth namespace (a star); every link is
 shaped with ``tc tbf`` and TCP uses CUBIC. Each peer averages a 10 MB fp32 vector with a ``PlannedAverager``
-(``dedloc_worker.averaging``), several rounds per profile, the modes (ring: gloo's all-reduce; equal; hivemind:
-hivemind's own split; planner: ``app.planner.plan_averaging``) interleaved and rotated within each round. Every
-round is checked against the true mean; a failed round is counted, left out of the median and retried.
+(``dedloc_worker.averaging``), several rounds per profile, the modes (ring: gloo's all-reduce; tcp: the planner's
+bytes as plain TCP, ``bench.raw_tcp``; equal; hivemind: hivemind's own split; planner: ``app.planner.plan_averaging``)
+interleaved and rotated within each round. Every round is checked against the true mean (tcp: every byte arrived);
+a failed round is counted, left out of the median and retried.
 
 How it measures, what each setting is for and what it found (hold-back, the window of parts in flight, part size,
 the drain, what limits 4x100): docs/benchmarks.md#averaging-emulation and
