@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 from typing import Optional
 
-import hivemind
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
 from dedloc_common.cleanup import end_descendants
@@ -22,7 +21,7 @@ from dedloc_worker.identity import persistent_key
 from dedloc_common.contract import AckRecord
 from dedloc_worker.records import (TOKEN_RECORD_TTL, add_record_validators, metrics_ttl, publish_acks,
                                    publish_denylist, publish_plan, read_metrics, read_progress)
-from dedloc_worker.swarm import reach_peers
+from dedloc_worker.swarm import SwarmDHT, reach_peers
 from sqlalchemy.exc import SQLAlchemyError
 
 from app.runs import registry
@@ -205,7 +204,7 @@ class CoordinatorNode:
                 if previous is not None:
                     listen = default_listen(previous.multiaddrs, self.settings.host)
                     known = [addr for addr in known if not addr.endswith(peer_id)]
-        start = lambda peers: hivemind.DHT(  # noqa: E731
+        start = lambda peers: SwarmDHT(  # noqa: E731
             initial_peers=peers, host_maddrs=[self.listen or listen], identity_path=str(self.identity),
             announce_maddrs=self.announce or None,
             # After a crash the swarm still lists our PeerID for a while; the check would refuse our own restart.

@@ -18,6 +18,9 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
 13. A full garbage collection stalls a process for 0.2-0.5 s, longest in a forked child (it writes to every object
     it inherited): ``gc.freeze`` before each fork (``create_dht``, ``create_optimizer``) and in the gradient
     averager's own process (``averaging.PlannedAverager.run``).
+14. A DHT request from a process that left before the DHT process read it (an averager at shutdown) cannot be
+    unpacked: hivemind logged a traceback and slept 3 s for each, which held up its own shutdown past its grace
+    period. ``SwarmDHT`` drops such a request (``create_dht``, and the coordinator's node).
 """
 
 from __future__ import annotations
@@ -35,6 +38,34 @@ import hivemind
 from dedloc_common.contract import GRADIENT_PART_BYTES, RunConfig
 
 
+class _StaleRequestsDropped:
+    """The DHT process's end of its request pipe. A request carries its reply pipe as a descriptor that the sending
+    process hands over when the request is read; one whose sender has left meanwhile reads as a no-op request."""
+
+    def __init__(self, pipe) -> None:
+        self._pipe = pipe
+
+    def recv(self):
+        try:
+            return self._pipe.recv()
+        except (FileNotFoundError, ConnectionRefusedError):  # the sender's descriptor server is gone with it
+            return "_drop_stale_request", [], {}
+
+    def __getattr__(self, name: str):
+        return getattr(self._pipe, name)
+
+
+class SwarmDHT(hivemind.DHT):
+    """hivemind's DHT that drops a request whose sender left before it was read (pitfall 14)."""
+
+    def run(self) -> None:  # in the DHT's own process
+        self._inner_pipe = _StaleRequestsDropped(self._inner_pipe)
+        super().run()
+
+    async def _drop_stale_request(self) -> None:
+        pass  # nobody waits for its answer
+
+
 def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, identity_path: Optional[str] = None,
                authorizer=None, unreachable: bool = False):
     """Start this process's DHT node (a child process plus its p2pd daemon) and wait until it is up.
@@ -43,7 +74,7 @@ def create_dht(initial_peers: Sequence[str], listen: str, client_mode: bool, ide
     :param unreachable: the portal's dial-back found this machine unreachable (see ``relay_options``)
     """
     gc.freeze()  # pitfall 13
-    return hivemind.DHT(
+    return SwarmDHT(
         initial_peers=list(initial_peers),
         host_maddrs=[listen],
         client_mode=client_mode,
