@@ -54,13 +54,18 @@ def claims_of(database_url: str) -> dict:
     try:
         with make_sessionmaker(engine)() as session:
             rows = session.execute(select(Contribution.credited, Contribution.held, Contribution.reason,
-                                          Contribution.group_id).where(Contribution.samples > 0)).all()
+                                          Contribution.group_id, Contribution.epoch)
+                                   .where(Contribution.samples > 0)).all()
     finally:
         engine.dispose()
     held = [row for row in rows if row.held > 0]
+    # A round can fail only in an epoch two or more peers trained in: the founder's epochs alone have none to fail.
+    claimants, without = Counter(row.epoch for row in rows), {row.epoch for row in rows if not row.group_id}
+    shared = [epoch for epoch, count in claimants.items() if count >= 2]
     return dict(claims=len(rows), samples_credited=sum(row.credited for row in rows),
                 samples_held=sum(row.held for row in held), claims_held=len(held),
                 claims_without_round=sum(1 for row in rows if not row.group_id),
+                shared_epochs=len(shared), shared_epochs_without_round=sum(1 for e in shared if e in without),
                 held_reasons=dict(Counter(row.reason or "" for row in held)))
 
 
@@ -86,13 +91,18 @@ def watch_demo(minutes: float) -> dict:
 
 def markdown(row: dict) -> str:
     share = row["claims_without_round"] / row["claims"] if row["claims"] else 0.0
+    failed = row["shared_epochs_without_round"] / row["shared_epochs"] if row["shared_epochs"] else 0.0
     lines = ["# A fresh demo, watched", "",
              f"Written by `python -m bench.demo`: `dedloc demo` (two ALBERT workers, the portal and the coordinator "
              f"on this machine's cores) for {row['minutes']:g} minutes, then Ctrl-C. Method: "
              "docs/benchmarks.md#demo.", "",
-             "| claims | without a round | samples credited | samples held | claims held | tracebacks | "
-             "Ctrl-C to nothing running |", "| ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
-             f"| {row['claims']} | {row['claims_without_round']} ({share:.1%}) | {row['samples_credited']:,} | "
+             "`failed rounds`: epochs two or more workers trained in (a round could form) in which some claim went into",
+             "no averaging round; `without a round` also counts the founder's epochs alone.", "",
+             "| claims | without a round | epochs shared | failed rounds | samples credited | samples held | "
+             "claims held | tracebacks | Ctrl-C to nothing running |",
+             "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+             f"| {row['claims']} | {row['claims_without_round']} ({share:.1%}) | {row['shared_epochs']} | "
+             f"{row['shared_epochs_without_round']} ({failed:.1%}) | {row['samples_credited']:,} | "
              f"{row['samples_held']:,} | {row['claims_held']} | {row['tracebacks']} | {row['stop_seconds']:.1f} s |",
              "", "Reasons the held claims were given:", ""]
     lines += [f"- {count} x \"{reason}\"" for reason, count in row["held_reasons"].items()] or ["- none held"]
