@@ -78,9 +78,17 @@ class ExpectedEvents(logging.Filter):
         return True
 
 
+# A task or future that failed because a peer's connection did: hivemind's writer of a stream whose reader already
+# gave up (a link went down mid-round; the round's failure is said once, by the round).
+NEVER_RETRIEVED = re.compile(r"^(Task|Future) exception was never retrieved")
+
+
 class ShutdownNoise(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
-        text = record.getMessage() + str(record.exc_info[1] if record.exc_info else "")
+        error = record.exc_info[1] if record.exc_info else None
+        if error is not None and NEVER_RETRIEVED.search(str(record.msg)) and peer_failure(error):
+            return False
+        text = record.getMessage() + str(error or "")
         return SHUTDOWN_NOISE.search(text) is None
 
 
