@@ -96,8 +96,8 @@ def markdown(row: dict) -> str:
              f"Written by `python -m bench.demo`: `dedloc demo` (two ALBERT workers, the portal and the coordinator "
              f"on this machine's cores) for {row['minutes']:g} minutes, then Ctrl-C. Method: "
              "docs/benchmarks.md#demo.", "",
-             "`failed rounds`: epochs two or more workers trained in (a round could form) in which some claim went into",
-             "no averaging round; `without a round` also counts the founder's epochs alone.", "",
+             "`failed rounds`: epochs two or more workers trained in (a round could form) in which some claim",
+             "went into no averaging round; `without a round` also counts the founder's epochs alone.", "",
              "| claims | without a round | epochs shared | failed rounds | samples credited | samples held | "
              "claims held | tracebacks | Ctrl-C to nothing running |",
              "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",

@@ -193,7 +193,7 @@ class CountingAllReduceRunner(AllReduceRunner):
             yield message
 
 
-IN_FLIGHT_PARTS = int(__import__("os").environ.get("EXP_WINDOW", "4"))
+IN_FLIGHT_PARTS = 4
 """Parts a peer sends an aggregator ahead of the averaged results that came back from it: 1 would serialize upload
 and download, unlimited starves the download (docs/benchmarks.md#window-of-parts-in-flight)."""
 
