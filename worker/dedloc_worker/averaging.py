@@ -30,6 +30,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter, azip, enter_asynchronously
 
 from .robust import RobustPartReducer, RobustRule, notable_attestations
+from .state_sharing import DeclaresOnChange
 
 logger = get_logger(__name__)
 
@@ -242,7 +243,7 @@ class StreamingAllReduceRunner(CountingAllReduceRunner):
             await window.acquire()
 
 
-class PlannedAverager(DecentralizedAverager):
+class PlannedAverager(DeclaresOnChange, DecentralizedAverager):
     """``DecentralizedAverager`` that aggregates the share of the vector a plan gives it (see the module doc).
 
     Without a plan it behaves exactly as hivemind's averager. Same arguments as ``DecentralizedAverager``, and:
