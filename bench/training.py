@@ -8,6 +8,13 @@ before each swarm row (the solo rate drifts between minutes here).
 Swarm: a portal (idle: workers ask it for their token at join, then only every half-hour), the run's coordinator
 and N workers on loopback; the swarm's rate is what it turns into optimizer steps: epochs completed over the
 window times the global batch. Efficiency = swarm / solo. Rows go to ``training.json`` and ``training.md``.
+
+On a volunteer's machine a worker has the cores to itself; here the coordinator and the portal take some of the
+same two. So each row also reports the CPU (cores, from ``/proc``) that the workers' process trees (their DHT,
+averagers and p2pd included), the coordinator with the portal, and the solo processes used over their windows, and
+``efficiency_per_cpu``: the swarm's samples per CPU-second of its workers over the solo processes' samples per
+CPU-second. It counts what a worker spends besides its gradients, not the time a worker waits idle (for a round
+it cannot overlap): that stays in ``efficiency``.
 """
 
 from __future__ import annotations
@@ -41,11 +48,12 @@ TASKS = {
 CONFIGS = [("tiny-lm", False, "none"), ("tiny-lm", True, "none"), ("tiny-lm", True, "fp16"), ("albert", True, "none")]
 
 
-def solo_rate(task: str, seconds: float, corpus: Path) -> float:
-    """Samples per second of PEERS solo processes training at once (their sum)."""
+def solo_rate(task: str, seconds: float, corpus: Path) -> tuple[float, float]:
+    """(samples per second, cores used) of PEERS solo processes training at once, each summed over them."""
     procs = [subprocess.Popen([sys.executable, "-m", "bench.training", "solo", task, str(seconds), str(corpus)],
                               stdout=subprocess.PIPE, text=True) for _ in range(PEERS)]
-    return sum(float(proc.communicate(timeout=seconds + 300)[0].split()[-1]) for proc in procs)
+    measured = [proc.communicate(timeout=seconds + 300)[0].split()[-2:] for proc in procs]
+    return sum(float(rate) for rate, _ in measured), sum(float(cores) for _, cores in measured)
 
 
 def solo_main(task_name: str, seconds: float, corpus: Path) -> None:
@@ -72,13 +80,14 @@ def solo_main(task_name: str, seconds: float, corpus: Path) -> None:
     for _ in range(3):  # warm up (first batches load data)
         task.batch_loss(BATCH).backward()
         optimizer.zero_grad()
-    samples, start = 0, time.monotonic()
+    samples, start, cpu = 0, time.monotonic(), time.process_time()
     while time.monotonic() - start < seconds:
         task.batch_loss(BATCH).backward()
         optimizer.step()
         optimizer.zero_grad()
         samples += BATCH
-    print(samples / (time.monotonic() - start))
+    wall = time.monotonic() - start
+    print(samples / wall, (time.process_time() - cpu) / wall)
 
 
 def swarm_rate(task_name: str, dpu: bool, compression: str, seconds: float, corpus: Path) -> dict:
@@ -111,17 +120,36 @@ def swarm_rate(task_name: str, dpu: bool, compression: str, seconds: float, corp
         wait(lambda: swarm(url)["peers_online"] >= PEERS, 300)
         first = swarm(url)["epoch"]
         wait(lambda: swarm(url)["epoch"] >= first + 1, 300)  # measure from an epoch boundary
-        begin, t0 = swarm(url)["epoch"], time.monotonic()
+        workers, servers = [proc.pid for proc in started[2:]], [proc.pid for proc in started[:2]]
+        begin, t0, cpu0 = swarm(url)["epoch"], time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
         time.sleep(seconds)
         wait(lambda: swarm(url)["epoch"] > begin, 300)
-        end, t1 = swarm(url)["epoch"], time.monotonic()
+        end, t1, cpu1 = swarm(url)["epoch"], time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
         failed = sum(open(work / f"peer{i}.log").read().count("no averaging group formed") for i in range(PEERS))
         return dict(swarm_samples_per_second=round((end - begin) * spec["target_batch_size"] / (t1 - t0), 1),
-                    epochs=end - begin, failed_rounds=failed, ctrl_c_seconds=ctrl_c(started[-1]))
+                    epochs=end - begin, failed_rounds=failed,
+                    workers_cores=round((cpu1[0] - cpu0[0]) / (t1 - t0), 3),
+                    coordinator_and_portal_cores=round((cpu1[1] - cpu0[1]) / (t1 - t0), 3),
+                    ctrl_c_seconds=ctrl_c(started[-1]))
     finally:
         stop_all(started[2:])
         stop_all(started[:2])
         shutil.rmtree(work, ignore_errors=True)
+
+
+def tree_cpu(roots: list[int]) -> float:
+    """CPU-seconds (user + system) so far of the live processes in the trees under ``roots``. A process that ends
+    between two readings loses its share: in a steady swarm none does."""
+    from dedloc_common.cleanup import descendants
+
+    total = 0.0
+    for pid in {pid for root in roots for pid in [root, *descendants(root)]}:
+        try:
+            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return total
 
 
 def ctrl_c(worker: subprocess.Popen, timeout: float = 30.0) -> float | None:
@@ -165,11 +193,14 @@ def markdown(rows: list[dict]) -> str:
              f"Written by `python -m bench.training`: {PEERS} workers (one torch thread each) with the run's "
              "coordinator and an idle portal, against", f"{PEERS} solo processes at once, batch {BATCH}, "
              "same cores; window and method: docs/benchmarks.md#training.", "",
-             "| task | peers | dpu | compression | swarm samples/s | solo samples/s | efficiency | epochs | "
-             "failed rounds | Ctrl-C on a worker, s |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| task | peers | dpu | compression | swarm samples/s | solo samples/s | efficiency | cores: workers / "
+             "coordinator and portal / solo | efficiency per CPU | epochs | failed rounds | Ctrl-C on a worker, s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['task']} | {r['peers']} | {'on' if r['dpu'] else 'off'} | {r['compression']} | "
               f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} | {r['efficiency']:.2f} | "
-              f"{r['epochs']} | {r['failed_rounds']} | {r.get('ctrl_c_seconds')} |" for r in rows]
+              f"{r['workers_cores']:.2f} / {r['coordinator_and_portal_cores']:.2f} / {r['solo_cores']:.2f} | "
+              f"{r['efficiency_per_cpu']:.2f} | {r['epochs']} | {r['failed_rounds']} | {r.get('ctrl_c_seconds')} |"
+              for r in rows]
     return "\n".join(lines) + "\n"
 
 
@@ -188,11 +219,13 @@ def main(argv=None) -> int:
         for task, dpu, compression in CONFIGS:
             # Solo right before each swarm: this machine's solo rate moved by 16% between two runs, so a ratio
             # takes both halves from the same minutes.
-            solo = round(solo_rate(task, args.seconds, corpus), 1)
+            solo, solo_cores = solo_rate(task, args.seconds, corpus)
             measured = swarm_rate(task, dpu, compression, args.seconds, corpus)
-            row = dict(task=task, peers=PEERS, dpu=dpu, compression=compression, solo_samples_per_second=solo,
-                       **measured)
-            row["efficiency"] = round(row["swarm_samples_per_second"] / row["solo_samples_per_second"], 3)
+            row = dict(task=task, peers=PEERS, dpu=dpu, compression=compression, solo_samples_per_second=round(solo, 1),
+                       solo_cores=round(solo_cores, 3), **measured)
+            row["efficiency"] = round(row["swarm_samples_per_second"] / solo, 3)
+            row["efficiency_per_cpu"] = round(row["swarm_samples_per_second"] / row["workers_cores"]
+                                              / (solo / solo_cores), 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
