@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -118,13 +119,17 @@ def swarm_rate(task_name: str, dpu: bool, compression: str, seconds: float, corp
             if index == 0:  # one founder (docs/hivemind.md#state-checkpoints-and-resume)
                 wait(lambda: swarm(url)["epoch"] >= 1, 300)
         wait(lambda: swarm(url)["peers_online"] >= PEERS, 300)
-        first = swarm(url)["epoch"]
-        wait(lambda: swarm(url)["epoch"] >= first + 1, 300)  # measure from an epoch boundary
+        # The window runs between two epoch boundaries as the founder's log shows them (a line as it enters each
+        # epoch), read every 50 ms: the portal's epoch follows the coordinator's 2 s poll.
+        log = work / "peer0.log"
+        first = logged_epoch(log)
+        wait(lambda: logged_epoch(log) > first, 300, poll=0.05)
         workers, servers = [proc.pid for proc in started[2:]], [proc.pid for proc in started[:2]]
-        begin, t0, cpu0 = swarm(url)["epoch"], time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
+        begin, t0, cpu0 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
         time.sleep(seconds)
-        wait(lambda: swarm(url)["epoch"] > begin, 300)
-        end, t1, cpu1 = swarm(url)["epoch"], time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
+        last = logged_epoch(log)
+        wait(lambda: logged_epoch(log) > last, 300, poll=0.05)
+        end, t1, cpu1 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
         failed = sum(open(work / f"peer{i}.log").read().count("no averaging group formed") for i in range(PEERS))
         return dict(swarm_samples_per_second=round((end - begin) * spec["target_batch_size"] / (t1 - t0), 1),
                     epochs=end - begin, failed_rounds=failed,
@@ -164,11 +169,17 @@ def ctrl_c(worker: subprocess.Popen, timeout: float = 30.0) -> float | None:
     return None
 
 
+def logged_epoch(log: Path) -> int:
+    """The epoch a worker's log announced last (its "epoch N | ..." lines, printed as it enters epoch N)."""
+    found = re.findall(r"^epoch (\d+) \|", log.read_text(), re.MULTILINE)
+    return int(found[-1]) if found else 0
+
+
 def swarm(url: str) -> dict:
     return httpx.get(f"{url}/api/v1/runs/bench/swarm", timeout=10).json()
 
 
-def wait(check, timeout: float) -> None:
+def wait(check, timeout: float, poll: float = 0.5) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -176,7 +187,7 @@ def wait(check, timeout: float) -> None:
                 return
         except (httpx.HTTPError, KeyError, ValueError):
             pass
-        time.sleep(0.5)
+        time.sleep(poll)
     raise RuntimeError(f"the bench swarm did not get there within {timeout:.0f} s")
 
 
