@@ -4,7 +4,7 @@ cores, in one run (docs/benchmarks.md#training).
     python -m bench.training [--seconds 40] [--out bench/results/training.json]
 
 Solo: N processes train the task alone at once (no hivemind), each counting its samples over the window, right
-before each swarm row (the solo rate drifts between minutes here).
+before and right after each swarm row, the two averaged (the solo rate drifts between minutes here).
 Swarm: a portal (idle: workers ask it for their token at join, then only every half-hour), the run's coordinator
 and N workers on loopback; the swarm's rate is what it turns into optimizer steps: epochs completed over the
 window times the global batch. Efficiency = swarm / solo. Rows go to ``training.json`` and ``training.md``.
@@ -204,11 +204,12 @@ def markdown(rows: list[dict]) -> str:
              f"Written by `python -m bench.training`: {PEERS} workers (one torch thread each) with the run's "
              "coordinator and an idle portal, against", f"{PEERS} solo processes at once, batch {BATCH}, "
              "same cores; window and method: docs/benchmarks.md#training.", "",
-             "| task | peers | dpu | compression | swarm samples/s | solo samples/s | efficiency | cores: workers / "
-             "coordinator and portal / solo | efficiency per CPU | epochs | failed rounds | Ctrl-C on a worker, s |",
+             "| task | peers | dpu | compression | swarm samples/s | solo samples/s (before / after) | efficiency | "
+             "cores: workers / coordinator and portal / solo | efficiency per CPU | epochs | failed rounds | Ctrl-C on a worker, s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['task']} | {r['peers']} | {'on' if r['dpu'] else 'off'} | {r['compression']} | "
-              f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} | {r['efficiency']:.2f} | "
+              f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} "
+              f"({' / '.join(f'{v:,.0f}' for v in r['solo_before_and_after'])}) | {r['efficiency']:.2f} | "
               f"{r['workers_cores']:.2f} / {r['coordinator_and_portal_cores']:.2f} / {r['solo_cores']:.2f} | "
               f"{r['efficiency_per_cpu']:.2f} | {r['epochs']} | {r['failed_rounds']} | {r.get('ctrl_c_seconds')} |"
               for r in rows]
@@ -228,11 +229,14 @@ def main(argv=None) -> int:
     rows = []
     try:
         for task, dpu, compression in CONFIGS:
-            # Solo right before each swarm: this machine's solo rate moved by 16% between two runs, so a ratio
-            # takes both halves from the same minutes.
-            solo, solo_cores = solo_rate(task, args.seconds, corpus)
+            # Solo right before and right after each swarm, averaged: this machine's solo rate drifts by up to 10%
+            # within ten minutes (and 16% between runs), so a ratio takes both halves from the same minutes.
+            before = solo_rate(task, args.seconds, corpus)
             measured = swarm_rate(task, dpu, compression, args.seconds, corpus)
+            after = solo_rate(task, args.seconds, corpus)
+            solo, solo_cores = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
             row = dict(task=task, peers=PEERS, dpu=dpu, compression=compression, solo_samples_per_second=round(solo, 1),
+                       solo_before_and_after=[round(before[0], 1), round(after[0], 1)],
                        solo_cores=round(solo_cores, 3), **measured)
             row["efficiency"] = round(row["swarm_samples_per_second"] / solo, 3)
             row["efficiency_per_cpu"] = round(row["swarm_samples_per_second"] / row["workers_cores"]
