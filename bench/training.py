@@ -205,7 +205,8 @@ def markdown(rows: list[dict]) -> str:
              "coordinator and an idle portal, against", f"{PEERS} solo processes at once, batch {BATCH}, "
              "same cores; window and method: docs/benchmarks.md#training.", "",
              "| task | peers | dpu | compression | swarm samples/s | solo samples/s (before / after) | efficiency | "
-             "cores: workers / coordinator and portal / solo | efficiency per CPU | epochs | failed rounds | Ctrl-C on a worker, s |",
+             "cores: workers / coordinator and portal / solo | efficiency per CPU | epochs | failed rounds | "
+             "Ctrl-C on a worker, s |",
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['task']} | {r['peers']} | {'on' if r['dpu'] else 'off'} | {r['compression']} | "
               f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} "
