@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import gc
 import json
+import threading
 import time
 from collections import deque
 
@@ -17,7 +18,8 @@ from dedloc_common.signing import new_private_key, public_openssh, sign
 from dedloc_worker.admission import TokenCheck
 from dedloc_worker.claims import CLAIMS_HELD, ClaimKeeper, ClaimOutbox
 from dedloc_worker.receipts import ReceiptLog
-from dedloc_worker.records import add_record_validators, publish_acks, publish_metrics, read_metrics, use_outbox
+from dedloc_worker.records import (MetricsPublisher, add_record_validators, publish_acks, publish_metrics, read_metrics,
+                                   use_outbox)
 from dedloc_worker.swarm import create_dht
 from hivemind.utils.crypto import RSAPrivateKey
 
@@ -177,3 +179,52 @@ def test_claims_stay_in_the_swarm_until_the_coordinators_signed_acknowledgement(
     finally:
         use_outbox(signature, None)
         keeper.halted.set()
+
+
+@pytest.mark.swarm
+def test_the_training_loop_hands_records_over_without_waiting_and_the_newest_reaches_the_coordinator(
+        worker_and_coordinator):
+    worker, coordinator = worker_and_coordinator
+    signature = add_record_validators(worker, RUN, RSAPrivateKey())
+    add_record_validators(coordinator, RUN, RSAPrivateKey())
+    store_may_go, storing, said = threading.Event(), threading.Event(), []
+
+    stored = []
+
+    def publish(record):  # the first store is held until the loop has handed over every record
+        storing.set()
+        assert store_may_go.wait(30)
+        stored.append(len(record.recent))
+        return publish_metrics(worker, RUN, signature, record)
+
+    publisher = MetricsPublisher(publish, say=said.append)
+    recent = deque(maxlen=RECENT_EPOCHS_KEPT)
+    try:
+        for epoch in range(5):  # each submit returns while the store is held: none waited for it
+            recent.append(contribution(epoch))
+            publisher.submit(record_of(recent))
+            assert storing.wait(10)
+    finally:
+        store_may_go.set()
+        publisher.close()
+    assert stored == [1, 5]  # the first record when released, then the newest: it replaced the three between
+    assert [c.epoch for m in read_metrics(coordinator, RUN) for c in m.record.recent] == list(range(5))
+    assert said == []
+
+
+def test_a_store_that_fails_is_one_line_and_the_next_record_still_goes():
+    sent, said, tried = [], [], threading.Event()
+
+    def publish(record):
+        tried.set()
+        if record.epoch == 1:
+            raise ConnectionError("the DHT is shutting down")
+        sent.append(record.epoch)
+
+    publisher = MetricsPublisher(publish, say=said.append)
+    publisher.submit(MetricsRecord(username="alice", epoch=1, samples_per_second=1.0, time=time.time(), recent=[]))
+    assert tried.wait(10)
+    publisher.submit(MetricsRecord(username="alice", epoch=2, samples_per_second=1.0, time=time.time(), recent=[]))
+    publisher.close()
+    assert sent == [2]
+    assert len(said) == 1 and "ConnectionError: the DHT is shutting down" in said[0] and "\n" not in said[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import time
@@ -14,7 +15,7 @@ import torch
 from dedloc_common.contract import (RECENT_EPOCHS_KEPT, EpochContribution, LinkReport, MetricsRecord, RunConfig,
                                     mean_loss, peer_key_of_subkey)
 from .errors import TrainingError, WorkerError
-from .records import publish_metrics
+from .records import MetricsPublisher, publish_metrics
 from .spot_checks import GradientSum, checkable, epoch_seed
 from .swarm import create_optimizer, restore, state_averaging_period
 
@@ -118,6 +119,7 @@ def train(
     peer_key = peer_key_of_subkey(signature.local_public_key)
     tally = open_epoch(task, config, peer_key, opt.local_epoch)
     run_over = paused = False
+    publisher = MetricsPublisher(functools.partial(publish_metrics, dht, config.run_id, signature))
     try:
         while not stop.is_set():
             target = watch.target_epochs if watch is not None else config.target_epochs
@@ -158,7 +160,7 @@ def train(
                                                                  config.optimizer.group_size,
                                                                  config.optimizer.average_state_every)
                 record = metrics_record(username, opt, contributions, addrs, hardware, link, reachability)
-                publish_metrics(dht, config.run_id, signature, record)
+                publisher.submit(record)
             if tally.epoch != opt.local_epoch:
                 tally = open_epoch(task, config, peer_key, opt.local_epoch)  # or state reloaded: samples dropped
             on_status(status_of(opt, contributions[-1] if contributions else None))
@@ -169,6 +171,7 @@ def train(
         time.sleep(LEAVE_GRACE)
         return TrainingResult(every_contribution, opt.local_epoch, state, finished=run_over)
     finally:
+        publisher.close(timeout=LEAVE_GRACE)  # on the way out after an error, not held up by a slow store
         opt.shutdown()
 
 
