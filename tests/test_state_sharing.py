@@ -99,5 +99,9 @@ def test_optimizers_build_their_state_averager_by_the_name_we_replace():
         assert hivemind_optimizer.TrainingStateAverager is StateAverager
         assert issubclass(StateAverager, original)
         assert "TrainingStateAverager(" in inspect.getsource(hivemind_optimizer.Optimizer._make_state_averager)
+        # peers running hivemind's class (the coordinator's checkpointer) call ours by the same handler names
+        for method in ("rpc_download_state", "rpc_join_group", "rpc_aggregate_part"):
+            assert StateAverager._get_handle_name("run_state_averager", method) == \
+                original._get_handle_name("run_state_averager", method)
     finally:
         hivemind_optimizer.TrainingStateAverager = original

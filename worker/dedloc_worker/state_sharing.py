@@ -38,6 +38,12 @@ class DeclaresOnChange:
 class StateAverager(DeclaresOnChange, TrainingStateAverager):
     """hivemind's ``TrainingStateAverager``, declaring itself as a state source on its period and on a change."""
 
+    @classmethod
+    def _get_handle_name(cls, namespace, method_name: str) -> str:
+        # hivemind names a peer's RPC handlers after its class: under its own name, hivemind's TrainingStateAverager
+        # (the coordinator's checkpointer and spot checker) could not download this peer's state.
+        return TrainingStateAverager._get_handle_name(namespace, method_name)
+
 
 def declare_state_on_change() -> None:
     """Make every optimizer created from now on (in this process and its forks) average state with
