@@ -152,13 +152,13 @@ def tree_cpu(roots: list[int]) -> float:
     between two readings loses its share: in a steady swarm none does."""
     from dedloc_common.cleanup import descendants
 
-    total = 0.0
+    total, ticks = 0.0, os.sysconf("SC_CLK_TCK")
     for pid in {pid for root in roots for pid in [root, *descendants(root)]}:
         try:
             fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
         except OSError:
             continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+        total += (int(fields[11]) + int(fields[12])) / ticks
     return total
 
 
@@ -235,8 +235,8 @@ def main(argv=None) -> int:
     rows = []
     try:
         for task, dpu, compression in CONFIGS:
-            # Solo right before and right after each swarm, averaged: this machine's solo rate drifts by up to 10%
-            # within ten minutes (and 16% between runs), so a ratio takes both halves from the same minutes.
+            # Solo right before and right after each swarm, averaged: this machine's solo rate drifts by up to 15%
+            # within minutes (and 16% between runs), so a ratio takes both halves from the same minutes.
             before = solo_rate(task, args.seconds, corpus)
             measured = swarm_rate(task, dpu, compression, args.seconds, corpus)
             after = solo_rate(task, args.seconds, corpus)
