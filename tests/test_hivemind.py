@@ -72,6 +72,23 @@ def test_averager_options_reach_both_averagers(two_dhts):
         opt.shutdown()
 
 
+def test_only_the_state_averager_declares_itself_a_source_of_state(two_dhts):
+    """Peers load state from the state averager alone; the gradient averager's record would be DHT stores for
+    nothing (docs/hivemind.md#pitfalls, 15)."""
+    server, client = two_dhts
+    opt = create_optimizer(server, tiny_config(), torch.nn.Linear(4, 1).parameters(), client_mode=False)
+    try:
+        sources = lambda name: (client.get(f"pit_{name}.all_averagers", latest=True) or (None,))[0]  # noqa: E731
+        deadline = time.monotonic() + 30
+        while not sources("state_averager") and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert sources("state_averager"), "the state averager never declared itself: the control failed"
+        assert not opt.grad_averager.allow_state_sharing
+        assert sources("grad_averager") is None
+    finally:
+        opt.shutdown()
+
+
 def test_signed_records_are_readable_by_a_validating_reader_and_unforgeable(two_dhts):
     """Pitfall 5: a reader needs the same validators; a signed record cannot be overwritten by another key."""
     writer, reader = two_dhts

@@ -68,28 +68,50 @@ def declarations_over_rounds(averager_class, dhts, prefix: str) -> int:
             averager.shutdown()
 
 
+class Spaced(PlannedAverager):
+    priority_spacing = 60.0  # longer than a test: a renewal asked for after the first is not made within it
+
+
+class SpacedBriefly(PlannedAverager):
+    priority_spacing = 1.0
+
+
 def test_hiveminds_averager_renews_its_record_after_averaged_tensors_and_ours_does_not(dhts):
-    ours = declarations_over_rounds(PlannedAverager, dhts, "planned_sharing")
+    ours = declarations_over_rounds(Spaced, dhts, "planned_sharing")
     control = declarations_over_rounds(DecentralizedAverager, dhts, "hivemind_sharing")
-    # Each averager declares twice as it starts: its loop's first pass, and the renewal hivemind's constructor asks
-    # for as it allows sharing. hivemind then renews after averaged tensors (measured: one per tensor, 100 in all).
-    assert ours == 2 * 2
+    # Each averager declares as its loop starts; hivemind's constructor then asks for a renewal as it allows sharing,
+    # which ours spaces past the test. hivemind also renews after averaged tensors (measured: one per tensor, 100).
+    assert ours == 2
     assert control > 2 * 2 + ROUNDS * 2
 
 
-def test_a_priority_change_still_renews_the_record(dhts):
+def test_priority_changes_renew_the_record_once_per_spacing_with_the_latest_value(dhts):
     before = dhts[0].run_coroutine(_count_declarations)
-    averager = PlannedAverager([torch.zeros(8)], dhts[0], prefix="priority_sharing", start=True)
+    averager = SpacedBriefly([torch.zeros(8)], dhts[0], prefix="priority_sharing", start=True)
+    declared = lambda: dhts[0].run_coroutine(_count_declarations) - before  # noqa: E731
     try:
-        averager.state_sharing_priority = 5
-        averager.state_sharing_priority = 5  # unchanged: no renewal
-        deadline = time.monotonic() + 5
-        while dhts[0].run_coroutine(_count_declarations) - before < 3 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        time.sleep(0.5)  # a renewal for the unchanged value would come now
-        assert dhts[0].run_coroutine(_count_declarations) - before == 3  # twice at start, once for the new priority
+        wait_until(lambda: declared() >= 1, 5)  # the loop's first pass
+        started = time.monotonic()
+        for priority in (5, 6, 7):
+            averager.state_sharing_priority = priority
+        averager.state_sharing_priority = 7  # unchanged: asks for nothing
+        wait_until(lambda: declared() >= 2, 5)
+        renewed = time.monotonic()
+        time.sleep(SpacedBriefly.priority_spacing + 0.5)  # a second renewal for the same requests would come now
+        # the constructor's request and the three changes: one renewal, a spacing after the first pass
+        assert declared() == 2
+        assert renewed - started >= SpacedBriefly.priority_spacing * 0.5
+        record = dhts[1].get("priority_sharing.all_averagers", latest=True)
+        assert [entry.value for entry in record.value.values()] == [7.0]  # the latest priority reached the record
     finally:
         averager.shutdown()
+
+
+def wait_until(check, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.05)
 
 
 def test_optimizers_build_their_state_averager_by_the_name_we_replace():

@@ -435,7 +435,14 @@ class PlannedGradientAverager(GradientAverager, PlannedAverager):
 
     ``GradientAverager.schedule_step`` calls ``super().step``, which resolves to ``PlannedAverager.step`` here, so
     pre-scheduled rounds announce the share too.
+
+    It is no source of the run's state (peers load state from the state averager alone): hivemind would have it keep
+    a DHT record saying it is, renewed at every epoch for nothing.
     """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("allow_state_sharing", False)
+        super().__init__(*args, **kwargs)
 
 
 def guard_weightless_parts() -> None:

@@ -5,34 +5,65 @@ Every averager that shares its state keeps a DHT record naming it a source for p
 ``declare_state_period``, when the priority changes, and also after every tensor a round averages: the record stays
 the same, yet each renewal is a signed DHT store to the peers that hold it. In a two-worker tiny-lm swarm that was
 7-8 stores a second per worker, more than the rest of its DHT traffic together (docs/hivemind.md#pitfalls, 15).
+The priority itself changes at every epoch (seconds apart in a fast swarm); a loader only needs it roughly current,
+so renewals for it are spaced by ``PRIORITY_SPACING`` at least.
 """
 
 from __future__ import annotations
 
 import asyncio
+import time
+from typing import Optional
 
 from hivemind.optim.state_averager import TrainingStateAverager
+
+# Seconds between two renewals of the record for a priority change, at least: a loader picks the highest priority,
+# and every source's epoch is then at most this stale (the record's value, not the state it serves).
+PRIORITY_SPACING = 10.0
 
 
 class _SetOnRequest(asyncio.Event):
     """The averager's "state updated" event, which wakes its declaration loop. hivemind sets it after every averaged
-    tensor; that no longer wakes the loop, and ``_trigger_declare_load_state`` (a priority change) still does."""
+    tensor; that no longer wakes the loop. ``request`` (a priority change) does, ``spacing`` seconds after the last
+    renewal at the earliest; requests meanwhile make one renewal."""
+
+    def __init__(self, spacing: float):
+        super().__init__()
+        self.spacing, self.renewed = spacing, float("-inf")
+        self.later: Optional[asyncio.TimerHandle] = None
 
     def set(self) -> None:
         pass
 
+    def clear(self) -> None:  # the loop clears the event right after each renewal
+        self.renewed = time.monotonic()
+        if self.later is not None:
+            self.later.cancel()
+            self.later = None
+        super().clear()
+
+    def request(self) -> None:
+        wait = self.renewed + self.spacing - time.monotonic()
+        if wait <= 0:
+            asyncio.Event.set(self)
+        elif self.later is None:
+            self.later = asyncio.get_running_loop().call_later(wait, asyncio.Event.set, self)
+
 
 class DeclaresOnChange:
     """Mixin for a ``DecentralizedAverager`` subclass, listed before it: the declaration loop wakes on its period and
-    on a priority change only."""
+    on a priority change only, at most once per ``priority_spacing`` seconds for the latter."""
+
+    priority_spacing = PRIORITY_SPACING
 
     async def _declare_for_download_periodically(self) -> None:
         # hivemind creates the event right after scheduling this loop, before the loop starts
-        self._state_updated = _SetOnRequest()
+        self._state_updated = _SetOnRequest(self.priority_spacing)
         await super()._declare_for_download_periodically()
 
     async def _trigger_declare_load_state(self) -> None:
-        asyncio.Event.set(self._state_updated)
+        event = self._state_updated  # hivemind's own until the loop starts (never, in client mode)
+        event.request() if isinstance(event, _SetOnRequest) else event.set()
 
 
 class StateAverager(DeclaresOnChange, TrainingStateAverager):

@@ -22,8 +22,9 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
     unpacked: hivemind logged a traceback and slept 3 s for each, which held up its own shutdown past its grace
     period. ``SwarmDHT`` drops such a request (``create_dht``, and the coordinator's node).
 15. An averager renews its DHT record as a state source after every tensor a round averages: a signed store each,
-    7-8 a second per worker. ``state_sharing.DeclaresOnChange`` renews it on its period and on a change only
-    (``PlannedAverager``; the state averager through ``declare_state_on_change`` in ``create_optimizer``).
+    7-8 a second per worker. ``state_sharing.DeclaresOnChange`` renews it on its period and on a change only, a
+    change at most every ``PRIORITY_SPACING`` seconds (the state averager, through ``declare_state_on_change`` in
+    ``create_optimizer``); the gradient averager is no state source (``averaging.PlannedGradientAverager``).
 """
 
 from __future__ import annotations
