@@ -149,13 +149,17 @@ class AdmissionKeeper(threading.Thread):
 
     def _keep_in_touch(self) -> None:
         """Call the run's coordinators every ``RECALL_EVERY`` rounds (asking the portal where they are), and every
-        round while this peer's DHT knows no peer. A peer whose link was down knows none once it is back: each call
+        round while this peer's DHT knows no peer (seen within ``READ_EVERY`` rounds). A peer whose link was down knows none once it is back: each call
         that failed meanwhile dropped its callee from the routing table, and a client-mode peer is in nobody's
         table, so nobody calls it; until one of its own calls reaches a peer it trains alone, uncredited."""
         from .errors import WorkerError
         from .swarm import rejoin
 
         due = self.rounds % RECALL_EVERY == 0
+        # Whether the DHT knows no peer is a request to the DHT process, on CPU the training shares: looked at every
+        # READ_EVERY rounds, and every round once it knew none.
+        if not (due or self.alone_since is not None or self.rounds % READ_EVERY == 0):
+            return
         if due or self.coordinator_addrs is None:
             try:
                 self.coordinator_addrs = self.coordinators()
