@@ -212,6 +212,28 @@ def test_the_training_loop_hands_records_over_without_waiting_and_the_newest_rea
     assert said == []
 
 
+def test_records_are_stored_an_interval_apart_and_the_newest_goes():
+    stored, said = [], []
+
+    def publish(record):
+        stored.append((record.epoch, time.monotonic()))
+
+    publisher = MetricsPublisher(publish, say=said.append, interval=0.5)
+    try:
+        for epoch in range(1, 5):  # epochs 0.05 s apart: only the first and the newest are stored
+            publisher.submit(MetricsRecord(username="alice", epoch=epoch, samples_per_second=1.0, time=time.time(),
+                                           recent=[]))
+            time.sleep(0.05)
+        deadline = time.monotonic() + 10
+        while len(stored) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        publisher.close()
+    assert [epoch for epoch, _ in stored] == [1, 4]
+    assert stored[1][1] - stored[0][1] >= 0.5
+    assert said == []
+
+
 def test_a_store_that_fails_is_one_line_and_the_next_record_still_goes():
     sent, said, tried = [], [], threading.Event()
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable, Dict, List, Optional
 
@@ -43,6 +44,7 @@ def metrics_ttl() -> float:
     except ValueError:
         return METRICS_TTL
 # Token and denylist records are republished every few seconds; they outlive a short outage.
+METRICS_INTERVAL = 5.0  # seconds between two stores of this peer's metrics record, at least (``MetricsPublisher``)
 TOKEN_RECORD_TTL = 60.0
 
 
@@ -107,14 +109,17 @@ class MetricsPublisher:
     is stored (a store waits for the peers that hold the record: ~45 ms at each epoch in a two-worker swarm here).
 
     A record handed over while another waits replaces it: each record carries the recent epochs, and the claim
-    outbox the oldest unacknowledged claims, so the newest holds all that the one it replaces did.
+    outbox the oldest unacknowledged claims, so the newest holds all that the one it replaces did. So records are
+    stored ``interval`` seconds apart at least: in a swarm of epochs seconds long, a record per epoch would cost a
+    signed store and the coordinator's acknowledgement each, and tell nothing the next one does not.
 
     :param publish: stores one record (``publish_metrics`` with the run's DHT, id and signature)
     :param say: prints one line (a store that failed)
     """
 
-    def __init__(self, publish: Callable[[MetricsRecord], object], say: Callable[[str], None] = print) -> None:
-        self._publish, self._say = publish, say
+    def __init__(self, publish: Callable[[MetricsRecord], object], say: Callable[[str], None] = print,
+                 interval: float = METRICS_INTERVAL) -> None:
+        self._publish, self._say, self._interval = publish, say, interval
         self._pending: Optional[MetricsRecord] = None
         self._closed = False
         self._changed = threading.Condition()
@@ -135,12 +140,16 @@ class MetricsPublisher:
         self._thread.join(timeout)
 
     def _run(self) -> None:
+        last = float("-inf")
         while True:
             with self._changed:
                 self._changed.wait_for(lambda: self._pending is not None or self._closed)
+                while not self._closed and time.monotonic() < last + self._interval:  # closing flushes at once
+                    self._changed.wait(last + self._interval - time.monotonic())
                 record, self._pending = self._pending, None
             if record is None:
                 return
+            last = time.monotonic()
             try:
                 self._publish(record)
             except Exception as e:  # the DHT shutting down, or unreachable: the next record carries the same claims

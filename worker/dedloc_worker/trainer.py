@@ -15,7 +15,7 @@ import torch
 from dedloc_common.contract import (RECENT_EPOCHS_KEPT, EpochContribution, LinkReport, MetricsRecord, RunConfig,
                                     mean_loss, peer_key_of_subkey)
 from .errors import TrainingError, WorkerError
-from .records import MetricsPublisher, publish_metrics
+from .records import METRICS_INTERVAL, MetricsPublisher, publish_metrics
 from .spot_checks import GradientSum, checkable, epoch_seed
 from .swarm import create_optimizer, restore, state_averaging_period
 
@@ -119,7 +119,9 @@ def train(
     peer_key = peer_key_of_subkey(signature.local_public_key)
     tally = open_epoch(task, config, peer_key, opt.local_epoch)
     run_over = paused = False
-    publisher = MetricsPublisher(functools.partial(publish_metrics, dht, config.run_id, signature))
+    # an auxiliary peer counts as online while its record is fresh (metadata_expiration): it is stored well within
+    publisher = MetricsPublisher(functools.partial(publish_metrics, dht, config.run_id, signature),
+                                 interval=min(METRICS_INTERVAL, config.optimizer.metadata_expiration / 3))
     try:
         while not stop.is_set():
             target = watch.target_epochs if watch is not None else config.target_epochs
