@@ -42,23 +42,26 @@ from bench import write_results
 RESULTS = Path("bench/results")
 PEERS = 2
 BATCH = 16
-# Global batches large enough that a step is seconds of compute, as in real runs (the paper's 4096).
 TASKS = {
-    "tiny-lm": dict(task="tiny-lm", options={}, target_batch_size=4096, files=False),
-    "albert": dict(task="masked-lm", options=DEMO_TASK, target_batch_size=1024, files=True),
+    "tiny-lm": dict(task="tiny-lm", options={}, files=False),
+    "albert": dict(task="masked-lm", options=DEMO_TASK, files=True),
 }
-CONFIGS = [("tiny-lm", False, "none"), ("tiny-lm", True, "none"), ("tiny-lm", True, "fp16"), ("albert", True, "none")]
+# (task, global batch, DPU, compression). Global batches large enough that a step is seconds of compute (the paper's
+# 4096); a swarm pays a fixed cost per epoch (a round, matchmaking, progress and metrics records), so the last row
+# takes tiny-lm's epoch four times as long, nearer real runs' minutes.
+CONFIGS = [("tiny-lm", 4096, False, "none"), ("tiny-lm", 4096, True, "none"), ("tiny-lm", 4096, True, "fp16"),
+           ("albert", 1024, True, "none"), ("tiny-lm", 16384, False, "none")]
 
 
-def solo_rate(task: str, seconds: float, corpus: Path) -> tuple[float, float]:
+def solo_rate(task: str, target: int, seconds: float, corpus: Path) -> tuple[float, float]:
     """(samples per second, cores used) of PEERS solo processes training at once, each summed over them."""
-    procs = [subprocess.Popen([sys.executable, "-m", "bench.training", "solo", task, str(seconds), str(corpus)],
-                              stdout=subprocess.PIPE, text=True) for _ in range(PEERS)]
+    procs = [subprocess.Popen([sys.executable, "-m", "bench.training", "solo", task, str(target), str(seconds),
+                               str(corpus)], stdout=subprocess.PIPE, text=True) for _ in range(PEERS)]
     measured = [proc.communicate(timeout=seconds + 300)[0].split()[-2:] for proc in procs]
     return sum(float(rate) for rate, _ in measured), sum(float(cores) for _, cores in measured)
 
 
-def solo_main(task_name: str, seconds: float, corpus: Path) -> None:
+def solo_main(task_name: str, target: int, seconds: float, corpus: Path) -> None:
     import torch
 
     from dedloc_common.contract import RunConfig
@@ -76,7 +79,7 @@ def solo_main(task_name: str, seconds: float, corpus: Path) -> None:
                                          {"train.txt": corpus / "train.txt", "eval.txt": corpus / "eval.txt"})
         files = {f.name: run_files.path_of(corpus / "solo-data" / str(os.getpid()), "solo", f.name) for f in stored}
     config = RunConfig(slug="solo", run_id="solo", task=spec["task"], task_options=spec["options"],
-                       target_batch_size=spec["target_batch_size"], batch_size=BATCH)
+                       target_batch_size=target, batch_size=BATCH)
     task = build_task(config, files)
     optimizer = torch.optim.AdamW(task.model.parameters(), lr=1e-3)
     for _ in range(3):  # warm up (first batches load data)
@@ -84,7 +87,7 @@ def solo_main(task_name: str, seconds: float, corpus: Path) -> None:
         optimizer.zero_grad()
     # A step per swarm peer's share of the global batch, as each worker takes one step per epoch: stepping after
     # every mini-batch costs tiny-lm a tenth of its rate (1,087 against 1,201 samples/s, one process here).
-    batches_per_step = max(1, spec["target_batch_size"] // (PEERS * BATCH))
+    batches_per_step = max(1, target // (PEERS * BATCH))
     samples, start, cpu = 0, time.monotonic(), time.process_time()
     while time.monotonic() - start < seconds:
         task.batch_loss(BATCH).backward()
@@ -96,7 +99,7 @@ def solo_main(task_name: str, seconds: float, corpus: Path) -> None:
     print(samples / wall, (time.process_time() - cpu) / wall)
 
 
-def swarm_rate(task_name: str, dpu: bool, compression: str, seconds: float, corpus: Path) -> dict:
+def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds: float, corpus: Path) -> dict:
     spec = TASKS[task_name]
     work = Path(tempfile.mkdtemp(prefix="dedloc-bench-"))
     port = free_port()
@@ -105,7 +108,7 @@ def swarm_rate(task_name: str, dpu: bool, compression: str, seconds: float, corp
     optimizer = {**LOOPBACK_OPTIMIZER, "delay_optimizer_step": dpu, "delay_grad_averaging": dpu,
                  "compression": compression}
     create = [sys.executable, "-m", "app.cli", "create-run", "bench", "--task", spec["task"], "--task-options",
-              json.dumps(spec["options"]), "--target-batch-size", str(spec["target_batch_size"]), "--batch-size",
+              json.dumps(spec["options"]), "--target-batch-size", str(target), "--batch-size",
               str(BATCH), "--optimizer", json.dumps(optimizer), "--checkpoints", json.dumps({"every_epochs": 10**6})]
     if spec["files"]:
         create += ["--file", str(corpus / "train.txt"), "--file", str(corpus / "eval.txt")]
@@ -136,8 +139,8 @@ def swarm_rate(task_name: str, dpu: bool, compression: str, seconds: float, corp
         wait(lambda: logged_epoch(log) > last, 300, poll=0.05)
         end, t1, cpu1 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
         failed = sum(open(work / f"peer{i}.log").read().count("no averaging group formed") for i in range(PEERS))
-        return dict(swarm_samples_per_second=round((end - begin) * spec["target_batch_size"] / (t1 - t0), 1),
-                    epochs=end - begin, failed_rounds=failed,
+        return dict(swarm_samples_per_second=round((end - begin) * target / (t1 - t0), 1),
+                    epochs=end - begin, epoch_seconds=round((t1 - t0) / (end - begin), 2), failed_rounds=failed,
                     workers_cores=round((cpu1[0] - cpu0[0]) / (t1 - t0), 3),
                     coordinator_and_portal_cores=round((cpu1[1] - cpu0[1]) / (t1 - t0), 3),
                     ctrl_c_seconds=ctrl_c(started[-1]))
@@ -209,11 +212,12 @@ def markdown(rows: list[dict]) -> str:
              f"Written by `python -m bench.training`: {PEERS} workers (one torch thread each) with the run's "
              "coordinator and an idle portal, against", f"{PEERS} solo processes at once, batch {BATCH}, "
              "same cores; window and method: docs/benchmarks.md#training.", "",
-             "| task | peers | dpu | compression | swarm samples/s | solo samples/s (before / after) | efficiency | "
-             "cores: workers / coordinator and portal / solo | efficiency per CPU | epochs | failed rounds | "
-             "Ctrl-C on a worker, s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    lines += [f"| {r['task']} | {r['peers']} | {'on' if r['dpu'] else 'off'} | {r['compression']} | "
+             "| task | global batch | epoch, s | peers | dpu | compression | swarm samples/s | "
+             "solo samples/s (before / after) | efficiency | cores: workers / coordinator and portal / solo | "
+             "efficiency per CPU | epochs | failed rounds | Ctrl-C on a worker, s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    lines += [f"| {r['task']} | {r['target_batch_size']:,} | {r['epoch_seconds']} | {r['peers']} | "
+              f"{'on' if r['dpu'] else 'off'} | {r['compression']} | "
               f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} "
               f"({' / '.join(f'{v:,.0f}' for v in r['solo_before_and_after'])}) | {r['efficiency']:.2f} | "
               f"{r['workers_cores']:.2f} / {r['coordinator_and_portal_cores']:.2f} / {r['solo_cores']:.2f} | "
@@ -224,7 +228,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "solo":
-        solo_main(sys.argv[2], float(sys.argv[3]), Path(sys.argv[4]))
+        solo_main(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), Path(sys.argv[5]))
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.training")
     parser.add_argument("--seconds", type=float, default=40.0, help="measurement window per configuration")
@@ -234,14 +238,15 @@ def main(argv=None) -> int:
     write_corpus(corpus)
     rows = []
     try:
-        for task, dpu, compression in CONFIGS:
+        for task, target, dpu, compression in CONFIGS:
             # Solo right before and right after each swarm, averaged: this machine's solo rate drifts by up to 15%
             # within minutes (and 16% between runs), so a ratio takes both halves from the same minutes.
-            before = solo_rate(task, args.seconds, corpus)
-            measured = swarm_rate(task, dpu, compression, args.seconds, corpus)
-            after = solo_rate(task, args.seconds, corpus)
+            before = solo_rate(task, target, args.seconds, corpus)
+            measured = swarm_rate(task, target, dpu, compression, args.seconds, corpus)
+            after = solo_rate(task, target, args.seconds, corpus)
             solo, solo_cores = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
-            row = dict(task=task, peers=PEERS, dpu=dpu, compression=compression, solo_samples_per_second=round(solo, 1),
+            row = dict(task=task, target_batch_size=target, peers=PEERS, dpu=dpu, compression=compression,
+                       solo_samples_per_second=round(solo, 1),
                        solo_before_and_after=[round(before[0], 1), round(after[0], 1)],
                        solo_cores=round(solo_cores, 3), **measured)
             row["efficiency"] = round(row["swarm_samples_per_second"] / solo, 3)
