@@ -1,6 +1,7 @@
 """A worker's claims until the coordinator has them: nothing is lost while the coordinator is down.
 
-Every epoch the training loop publishes a metrics record with its newest claims (``records.publish_metrics``).
+As epochs close the training loop publishes a metrics record with its newest claims (``records.publish_metrics``,
+at most every ``records.METRICS_INTERVAL`` seconds).
 The ``ClaimOutbox`` of the worker's process keeps every claim the coordinator has not acknowledged yet, each with
 the members of its all-reduce round (``receipts.ReceiptLog.members_of``), so the coordinator can tell who was
 there, and puts the oldest of them in the record instead of the training loop's list. The ``ClaimKeeper`` thread
@@ -140,8 +141,8 @@ class ClaimOutbox:
 
 class ClaimKeeper(threading.Thread):
     """Main-process thread: applies the coordinator's acknowledgements to the outbox and keeps this peer's metrics
-    record alive in the DHT (republished at a third of its lifetime, and at once when an acknowledgement shrank
-    it).
+    record alive in the DHT (republished at a third of its lifetime, and when an acknowledgement shrank it, unless a
+    record went out within ``interval``: while the peer trains, its next record carries the shrink anyway).
 
     :param check: the run's ``admission.TokenCheck`` (its authority key verifies acknowledgements)
     """
@@ -157,6 +158,7 @@ class ClaimKeeper(threading.Thread):
         self.ttl = metrics_ttl()
         self.interval = interval if interval is not None else min(5.0, self.ttl / 6)
         self.halted = threading.Event()
+        self.shrunk_at = float("-inf")  # when an acknowledgement last shrank the outbox
 
     def run(self) -> None:
         while not self.halted.wait(min(self.interval, BACKLOG_INTERVAL) if self.outbox.backlog else self.interval):
@@ -170,12 +172,14 @@ class ClaimKeeper(threading.Thread):
         from .records import read_ack, store_metrics
 
         epoch = read_ack(self.dht, self.run_id, self.peer_key, self.check)
-        shrank = epoch is not None and self.outbox.acknowledge(epoch)
+        if epoch is not None and self.outbox.acknowledge(epoch):
+            self.shrunk_at = time.monotonic()
         if self.halted.is_set():  # leaving: the DHT is about to shut down, so no new call to it
             return
         with self.outbox.lock:
-            due = time.monotonic() - self.outbox.published_at > self.ttl / 3
-            if self.outbox.record is not None and (shrank or due):
+            since = time.monotonic() - self.outbox.published_at
+            unsent_shrink = self.outbox.published_at < self.shrunk_at and since >= self.interval
+            if self.outbox.record is not None and (unsent_shrink or since > self.ttl / 3):
                 self.outbox.published(store_metrics(self.dht, self.run_id, self.signature, self.outbox.record))
 
     def halt(self, timeout: float = 10.0) -> None:
