@@ -149,9 +149,10 @@ class AdmissionKeeper(threading.Thread):
 
     def _keep_in_touch(self) -> None:
         """Call the run's coordinators every ``RECALL_EVERY`` rounds (asking the portal where they are), and every
-        round while this peer's DHT knows no peer (seen within ``READ_EVERY`` rounds). A peer whose link was down knows none once it is back: each call
-        that failed meanwhile dropped its callee from the routing table, and a client-mode peer is in nobody's
-        table, so nobody calls it; until one of its own calls reaches a peer it trains alone, uncredited."""
+        round while this peer's DHT knows no peer (seen within ``READ_EVERY`` rounds). A peer whose link was down
+        knows none once it is back: each call that failed meanwhile dropped its callee from the routing table, and a
+        client-mode peer is in nobody's table, so nobody calls it; until one of its own calls reaches a peer it
+        trains alone, uncredited."""
         from .errors import WorkerError
         from .swarm import rejoin
 

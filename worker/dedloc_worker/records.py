@@ -43,8 +43,8 @@ def metrics_ttl() -> float:
         return max(float(value), 1.0) if value else METRICS_TTL
     except ValueError:
         return METRICS_TTL
-# Token and denylist records are republished every few seconds; they outlive a short outage.
 METRICS_INTERVAL = 5.0  # seconds between two stores of this peer's metrics record, at least (``MetricsPublisher``)
+# Token and denylist records are republished every few seconds; they outlive a short outage.
 TOKEN_RECORD_TTL = 60.0
 
 
