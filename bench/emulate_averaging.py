@@ -82,7 +82,8 @@ PROFILES: dict[str, Profile] = {
     "4x100": Profile((Link(100, 100),) * 4),
     "400+3x50": Profile(
         (Link(100, 100),) + (Link(12.5, 12.5),) * 3, scale=0.25,
-        note="scaled 1/4 to 100 + 3 x 12.5 Mbit/s: on 2 cores peers cannot carry 400 Mbit/s (bench-notes: cap 100)",
+        note="scaled 1/4 to 100 + 3 x 12.5 Mbit/s: on 2 cores peers cannot carry 400 Mbit/s "
+             "(docs/benchmarks.md#staying-within-the-cpu: cap 100)",
     ),
     "nat-4x100": Profile(
         (Link(100, 100),) * 3 + (Link(100, 100, client=True),), ring=False,
