@@ -36,7 +36,7 @@ import httpx
 
 from app.cli.demo import DEMO_TASK, write_corpus
 from app.core.processes import group_members, spawn, stop_all
-from dedloc_common.contract import LOOPBACK_OPTIMIZER
+from dedloc_common.contract import LOOPBACK_OPTIMIZER, OptimizerOptions
 from bench import write_results
 
 RESULTS = Path("bench/results")
@@ -46,11 +46,16 @@ TASKS = {
     "tiny-lm": dict(task="tiny-lm", options={}, files=False),
     "albert": dict(task="masked-lm", options=DEMO_TASK, files=True),
 }
-# (task, global batch, DPU, compression). Global batches large enough that a step is seconds of compute (the paper's
-# 4096); a swarm pays a fixed cost per epoch (a round, matchmaking, progress and metrics records), so the last row
-# takes tiny-lm's epoch four times as long, nearer real runs' minutes.
-CONFIGS = [("tiny-lm", 4096, False, "none"), ("tiny-lm", 4096, True, "none"), ("tiny-lm", 4096, True, "fp16"),
-           ("albert", 1024, True, "none"), ("tiny-lm", 16384, False, "none")]
+# (task, global batch, DPU, compression); the first row is a run's defaults. Global batches large enough that a step
+# is seconds of compute (the paper's 4096); a swarm pays a fixed cost per epoch (a round, matchmaking, progress and
+# metrics records), so the last row takes tiny-lm's epoch four times as long, nearer real runs' minutes.
+DEFAULTS = OptimizerOptions()
+CONFIGS = [("tiny-lm", 4096, DEFAULTS.delay_optimizer_step, DEFAULTS.compression),
+           ("tiny-lm", 4096, not DEFAULTS.delay_optimizer_step, DEFAULTS.compression),
+           ("tiny-lm", 4096, True, "fp16"), ("albert", 1024, True, "none"),
+           ("tiny-lm", 16384, DEFAULTS.delay_optimizer_step, DEFAULTS.compression)]
+# A worker's lines for a round that lost parts (dedloc_worker.terminal): its epoch still counts, averaged in part.
+PARTIAL = re.compile(r"of its senders' gradients in time|of the averaged gradient came back in time")
 
 
 def solo_rate(task: str, target: int, seconds: float, corpus: Path) -> tuple[float, float]:
@@ -138,9 +143,11 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
         last = logged_epoch(log)
         wait(lambda: logged_epoch(log) > last, 300, poll=0.05)
         end, t1, cpu1 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
-        failed = sum(open(work / f"peer{i}.log").read().count("no averaging group formed") for i in range(PEERS))
+        logs = [(work / f"peer{i}.log").read_text() for i in range(PEERS)]
+        failed = sum(text.count("no averaging group formed") for text in logs)
         return dict(swarm_samples_per_second=round((end - begin) * target / (t1 - t0), 1),
                     epochs=end - begin, epoch_seconds=round((t1 - t0) / (end - begin), 2), failed_rounds=failed,
+                    partial_rounds=sum(partial_rounds(text) for text in logs),
                     workers_cores=round((cpu1[0] - cpu0[0]) / (t1 - t0), 3),
                     coordinator_and_portal_cores=round((cpu1[1] - cpu0[1]) / (t1 - t0), 3),
                     ctrl_c_seconds=ctrl_c(started[-1]))
@@ -175,6 +182,13 @@ def ctrl_c(worker: subprocess.Popen, timeout: float = 30.0) -> float | None:
             return round(time.monotonic() - start, 2)
         time.sleep(0.05)
     return None
+
+
+def partial_rounds(log: str) -> int:
+    """Rounds, in a worker's whole log, that lost parts: the epochs (between two "epoch N" lines) in which it
+    logged a part that came late or not at all."""
+    epochs = re.split(r"^epoch \d+ \|", log, flags=re.MULTILINE)
+    return sum(1 for text in epochs if PARTIAL.search(text))
 
 
 def logged_epoch(log: Path) -> int:
@@ -214,14 +228,16 @@ def markdown(rows: list[dict]) -> str:
              "same cores; window and method: docs/benchmarks.md#training.", "",
              "| task | global batch | epoch, s | peers | dpu | compression | swarm samples/s | "
              "solo samples/s (before / after) | efficiency | cores: workers / coordinator and portal / solo | "
-             "efficiency per CPU | epochs | failed rounds | Ctrl-C on a worker, s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "efficiency per CPU | epochs | failed rounds | partial rounds | Ctrl-C on a worker, s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['task']} | {r['target_batch_size']:,} | {r['epoch_seconds']} | {r['peers']} | "
-              f"{'on' if r['dpu'] else 'off'} | {r['compression']} | "
+              f"{'on' if r['dpu'] else 'off'}{' (default)' if r['dpu'] == DEFAULTS.delay_optimizer_step else ''} | "
+              f"{r['compression']} | "
               f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} "
               f"({' / '.join(f'{v:,.0f}' for v in r['solo_before_and_after'])}) | {r['efficiency']:.2f} | "
               f"{r['workers_cores']:.2f} / {r['coordinator_and_portal_cores']:.2f} / {r['solo_cores']:.2f} | "
-              f"{r['efficiency_per_cpu']:.2f} | {r['epochs']} | {r['failed_rounds']} | {r.get('ctrl_c_seconds')} |"
+              f"{r['efficiency_per_cpu']:.2f} | {r['epochs']} | {r['failed_rounds']} | {r.get('partial_rounds')} | "
+              f"{r.get('ctrl_c_seconds')} |"
               for r in rows]
     return "\n".join(lines) + "\n"
 

@@ -89,6 +89,22 @@ def test_only_the_state_averager_declares_itself_a_source_of_state(two_dhts):
         opt.shutdown()
 
 
+def test_an_auxiliary_peer_of_a_run_with_delayed_updates_delays_nothing(two_dhts):
+    """Pitfall 16: an auxiliary peer averaging in the background asserts at its first round with others (it takes
+    no step; seen in tests/test_outage.py's swarm with the run's delayed updates on). Ours delays nothing there, and a
+    trainer of the same run does (the control)."""
+    server, client = two_dhts
+    config = tiny_config(delay_optimizer_step=True)
+    trainer = create_optimizer(client, config, torch.nn.Linear(4, 1).parameters(), client_mode=True)
+    aux = create_optimizer(server, config, torch.nn.Linear(4, 1).parameters(), client_mode=False, aux=True)
+    try:
+        assert trainer.delay_optimizer_step and trainer.delay_grad_averaging
+        assert not aux.delay_optimizer_step and not aux.delay_grad_averaging
+    finally:
+        aux.shutdown()
+        trainer.shutdown()
+
+
 def test_signed_records_are_readable_by_a_validating_reader_and_unforgeable(two_dhts):
     """Pitfall 5: a reader needs the same validators; a signed record cannot be overwritten by another key."""
     writer, reader = two_dhts

@@ -215,6 +215,19 @@ def test_group_size_is_a_validated_run_option():
     assert step_options(config) == StepOptions(512, overlap=True, group_size=4)
 
 
+def test_either_delayed_updates_option_alone_turns_both_on_or_off():
+    def config(**optimizer):
+        return RunConfig(slug="r", run_id="r", task="tiny-lm", target_batch_size=512, batch_size=16,
+                         optimizer=OptimizerOptions(**optimizer))
+
+    assert not step_options(config()).overlap  # off by default: the planner models a blocking round
+    on = config(delay_optimizer_step=True)
+    assert on.optimizer.delay_grad_averaging and step_options(on).overlap  # the round overlaps the accumulation
+    assert config(delay_grad_averaging=True).optimizer.delay_optimizer_step
+    off = config(delay_optimizer_step=False)
+    assert not off.optimizer.delay_grad_averaging and not step_options(off).overlap
+
+
 def test_profiles_carry_measured_compute_and_what_aggregating_costs_a_cpu_peer():
     link = LinkReport(upload_bps=1e6, download_bps=2e6)
     seen = [LinkSeen("k1", "peer-cpu", "alice", link, "cpu: 4 threads", 120.0),

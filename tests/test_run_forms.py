@@ -99,6 +99,8 @@ def test_a_bad_task_option_is_named_the_form_kept_and_nothing_stored(app, sessio
     ({"batch_size": "many"}, "batch_size: 'many' is not a whole number"),
     ({"optimizer": "{lr: 1}"}, "optimizer: not JSON"),
     ({"optimizer": '{"lr": -1}'}, "optimizer.lr"),
+    ({"optimizer": '{"delay_optimizer_step": false, "delay_grad_averaging": true}'},
+     "delay_grad_averaging needs delay_optimizer_step"),
     ({"checkpoints": '{"keep": 0}'}, "checkpoints.keep"),
     ({"slug": "new"}, "slug 'new' is the name of a portal page"),
     ({"task": "evil:Plugin"}, "task: use one of"),

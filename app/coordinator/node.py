@@ -148,8 +148,13 @@ class CoordinatorNode:
         """The run's checkpointer, or None (with the reason, once) when this run's task cannot be saved here."""
         from dedloc_common.contract import CheckpointOptions
 
+        import torch
+
         from app.coordinator.checkpointer import Checkpointer
 
+        # Checkpoints and spot checks are background work, often on a host that also trains: one torch thread
+        # recomputes a check for the least CPU (docs/benchmarks.md#the-coordinators-torch-threads).
+        torch.set_num_threads(1)
         with self.sessions() as session:
             options = CheckpointOptions(**(registry.get_run(session, self.run.slug).checkpoints or {}))
         try:

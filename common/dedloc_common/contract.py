@@ -14,7 +14,7 @@ from datetime import datetime, timezone
 from typing import Annotated, Any, Dict, List, Literal, Optional
 
 import pydantic.v1 as pydantic_v1
-from pydantic import AfterValidator, BaseModel, Field, PlainSerializer
+from pydantic import AfterValidator, BaseModel, Field, PlainSerializer, model_validator
 
 API_PREFIX = "/api/v1"
 # How many past epochs the training loop hands to each metrics record. The worker's claim outbox
@@ -92,6 +92,9 @@ class OptimizerOptions(BaseModel):
     next_chunk_timeout: Optional[float] = Field(None, gt=0)
     # Progress records of dead peers linger this long (seconds); short keeps survivors at full speed.
     metadata_expiration: float = Field(60.0, gt=0)
+    # Delayed parameter updates (DPU, the paper's): a step's round and update run during the next accumulation. Off
+    # by default: a round that ends late at one peer can start a chain of partial rounds
+    # (docs/benchmarks.md#delayed-parameter-updates).
     delay_optimizer_step: bool = False
     delay_grad_averaging: bool = False
     # How each aggregator averages its parts: centered_clip caps each sender's weight at the run's ceiling for the
@@ -108,6 +111,22 @@ class OptimizerOptions(BaseModel):
     # averaging the parameters too (hivemind's state averaging: a second matchmaking and all-reduce of the whole
     # model) is there to pull back a peer that stepped alone. Every this many steps.
     average_state_every: int = Field(STATE_EVERY, ge=1)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _updates_off_means_both(cls, values: Any) -> Any:
+        """Either option alone turns delayed updates on or off: averaging in the background needs delayed updates."""
+        if isinstance(values, dict) and len({"delay_optimizer_step", "delay_grad_averaging"} & values.keys()) == 1:
+            given = values.get("delay_optimizer_step", values.get("delay_grad_averaging"))
+            values = {"delay_optimizer_step": given, "delay_grad_averaging": given, **values}
+        return values
+
+    @model_validator(mode="after")
+    def _averaging_in_background_needs_delayed_updates(self) -> "OptimizerOptions":
+        if self.delay_grad_averaging and not self.delay_optimizer_step:
+            raise ValueError("delay_grad_averaging needs delay_optimizer_step (averaging in the background delays "
+                             "the update): set both to false to turn delayed updates off")
+        return self
 
 
 # Loopback swarms (the demo, the tests): every peer on one machine, rounds form in well under a second.

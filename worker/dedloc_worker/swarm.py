@@ -25,6 +25,8 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
     7-8 a second per worker. ``state_sharing.DeclaresOnChange`` renews it on its period and on a change only, a
     change at most every ``PRIORITY_SPACING`` seconds (the state averager, through ``declare_state_on_change`` in
     ``create_optimizer``); the gradient averager is no state source (``averaging.PlannedGradientAverager``).
+16. An auxiliary peer that averages in the background (``delay_grad_averaging``) fails at its first epoch: it takes
+    no step, and hivemind asserts that its averaging trigger needs one. ``create_optimizer`` delays nothing there.
 """
 
 from __future__ import annotations
@@ -307,6 +309,7 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
     gc.freeze()  # pitfall 13: the model and the loaded libraries, before the averagers fork
 
     opt = config.optimizer
+    delay = not aux  # pitfall 16: an auxiliary peer takes no step, so it has no update to delay
     # hivemind warns (and can deadlock) when a request may outlive matchmaking; both averagers get this.
     # target_group_size: a leader starts its round once the group holds this many peers, so a larger swarm averages
     # in groups of at most this many (docs/averaging.md#groups).
@@ -324,8 +327,8 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
         averaging_timeout=opt.averaging_timeout,
         average_state_every=opt.average_state_every,
         next_chunk_timeout=opt.next_chunk_timeout,
-        delay_optimizer_step=opt.delay_optimizer_step,
-        delay_grad_averaging=opt.delay_grad_averaging,
+        delay_optimizer_step=opt.delay_optimizer_step and delay,
+        delay_grad_averaging=opt.delay_grad_averaging and delay,
         grad_compression=gradient_compression(opt),
         # Pitfall 1: a client-mode DHT with an implicit Optimizer client_mode crashes at the first epoch.
         client_mode=client_mode,
