@@ -5,10 +5,12 @@ Also pins the hivemind 1.1.12 internals ``dedloc_worker.averaging`` relies on, s
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import hashlib
 import inspect
 import time
+from types import SimpleNamespace
 
 import hivemind
 import pytest
@@ -388,3 +390,27 @@ def test_state_is_averaged_every_step_once_the_swarm_averages_gradients_in_group
     # beyond it, gradient groups take different steps and only state averaging mixes them
     assert [state_averaging_period(n, group_size=8, configured=10) for n in (9, 100)] == [1, 1]
     assert state_averaging_period(2, group_size=8, configured=1) == 1
+
+
+def test_a_part_waits_up_to_the_sender_timeout_for_its_group_to_be_registered():
+    """A sender's part can come before this peer registers its group (under delayed updates, until its previous
+    round and step are done); turned away after a matchmaking time, its sender lost that share and this peer waited
+    out the sender timeout, late for its next round too (docs/benchmarks.md#delayed-parameter-updates)."""
+    peer = SimpleNamespace(matchmaking_kwargs={"min_matchmaking_time": 0.1, "request_timeout": 0.05},
+                           next_chunk_timeout=5.0, _running_groups={})
+
+    async def register_later(group_id: bytes, seconds: float) -> None:
+        await asyncio.sleep(seconds)
+        peer._running_groups[group_id] = asyncio.get_running_loop().create_future()
+
+    async def part_for(group_id: bytes, registered_after: float) -> bool:
+        registering = asyncio.create_task(register_later(group_id, registered_after))
+        await PlannedAverager._wait_for_group(peer, group_id)
+        found = group_id in peer._running_groups
+        registering.cancel()
+        return found
+
+    # registered well past the matchmaking time and the request timeout, within the sender timeout: accepted
+    assert asyncio.run(part_for(b"late", 0.6))
+    peer.next_chunk_timeout = 0.2  # control: a group that comes after the sender timeout is not waited for
+    assert not asyncio.run(part_for(b"later", 1.0))

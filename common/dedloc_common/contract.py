@@ -93,8 +93,7 @@ class OptimizerOptions(BaseModel):
     # Progress records of dead peers linger this long (seconds); short keeps survivors at full speed.
     metadata_expiration: float = Field(60.0, gt=0)
     # Delayed parameter updates (DPU, the paper's): a step's round and update run during the next accumulation. Off
-    # by default: a round that ends late at one peer can start a chain of partial rounds
-    # (docs/benchmarks.md#delayed-parameter-updates).
+    # by default while rounds under them still lose parts now and then (docs/benchmarks.md#delayed-parameter-updates).
     delay_optimizer_step: bool = False
     delay_grad_averaging: bool = False
     # How each aggregator averages its parts: centered_clip caps each sender's weight at the run's ceiling for the

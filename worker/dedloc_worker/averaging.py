@@ -11,7 +11,6 @@ Design, trust and the hivemind internals relied on (pinned by ``tests/test_avera
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import gc
 import math
 import time
@@ -197,6 +196,8 @@ class CountingAllReduceRunner(AllReduceRunner):
 IN_FLIGHT_PARTS = 4
 """Parts a peer sends an aggregator ahead of the averaged results that came back from it: 1 would serialize upload
 and download, unlimited starves the download (docs/benchmarks.md#window-of-parts-in-flight)."""
+GROUP_POLL = 0.05
+"""Seconds between two looks for a group a sender's part names and this peer has not registered yet."""
 
 
 class StreamingAllReduceRunner(CountingAllReduceRunner):
@@ -315,14 +316,7 @@ class PlannedAverager(DeclaresOnChange, DecentralizedAverager):
         ``InvalidStateError`` (seen in tests/test_reachability_netns.py, as a link came back). Its annotations are
         what hivemind's ``ServicerBase`` reads the message types from."""
         request = await anext(stream)
-        if request.group_id not in self._running_groups:
-            # The leader began the round before its reply reached this peer, and a sender got here first: that reply
-            # is due within a matchmaking time. hivemind waits for any next group instead, so a part for a group
-            # that never comes held its handler until this peer's next round (tens of seconds while it is alone).
-            kwargs = self.matchmaking_kwargs
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._pending_groups_registered.wait(),
-                                       kwargs["min_matchmaking_time"] + kwargs["request_timeout"])
+        await self._wait_for_group(request.group_id)
         future = self._running_groups.get(request.group_id)
         if future is None:
             yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
@@ -330,6 +324,20 @@ class PlannedAverager(DeclaresOnChange, DecentralizedAverager):
         group = await asyncio.shield(future)
         async for message in group.rpc_aggregate_part(achain(as_aiter(request), stream), context):
             yield message
+
+    async def _wait_for_group(self, group_id: bytes) -> None:
+        """Until ``group_id`` is registered here, at most a sender's timeout (``next_chunk_timeout``; a sender waits
+        twice that for its first result). A sender can get here first: the leader's reply to this peer is on its way,
+        or this peer has its group and waits for its trigger, which with delayed updates comes only once its previous
+        round and step are done. Turned away then, the sender's parts are lost and this peer waits out the sender
+        timeout, late again for the next round: a chain of partial rounds
+        (docs/benchmarks.md#delayed-parameter-updates). hivemind waits for any next group instead, so a part for a
+        group that never comes held its handler until this peer's next round (tens of seconds while it is alone)."""
+        kwargs = self.matchmaking_kwargs
+        patience = max(kwargs["min_matchmaking_time"] + kwargs["request_timeout"], self.next_chunk_timeout or 0.0)
+        deadline = time.monotonic() + patience
+        while group_id not in self._running_groups and time.monotonic() < deadline:
+            await asyncio.sleep(GROUP_POLL)
 
     async def _get_last_round(self, future: MPFuture) -> None:
         future.set_result(self._last_round)
