@@ -6,6 +6,7 @@ Also pins the hivemind 1.1.12 internals ``dedloc_worker.averaging`` relies on, s
 from __future__ import annotations
 
 import asyncio
+import functools
 import gc
 import hashlib
 import inspect
@@ -141,19 +142,24 @@ def test_hivemind_internals_are_those_the_planned_averager_was_written_against()
     assert "group = await future\n" in inspect.getsource(DecentralizedAverager.rpc_aggregate_part)
 
 
+def stand_in(**attributes) -> SimpleNamespace:
+    """What an averager's ``rpc_aggregate_part`` reads of it, hivemind's and ours (the sender timeout unset: the
+    wait for a group is then a matchmaking time and a request timeout)."""
+    averager = SimpleNamespace(_pending_groups_registered=asyncio.Event(), matchmaking_kwargs=WAITS,
+                               next_chunk_timeout=None, **attributes)
+    averager._wait_for_group = functools.partial(PlannedAverager._wait_for_group, averager)
+    return averager
+
+
 def test_a_sender_dropping_its_stream_before_the_round_starts_leaves_the_round_startable():
     """A sender's handler waits for this peer's round to start; when the sender drops its stream (it gave up, its
     link went down), the handler is cancelled. hivemind's handler awaits the round's shared future bare, so the
     cancel reached the future and this peer's round then failed to start (``InvalidStateError``); ours shields it."""
-    import asyncio
-    from types import SimpleNamespace
-
     from hivemind.proto import averaging_pb2
     from hivemind.utils.asyncio import anext, as_aiter
 
     async def drop_a_sender(handler) -> asyncio.Future:
-        averager = SimpleNamespace(_running_groups={b"g": asyncio.Future()}, _pending_groups_registered=asyncio.Event(),
-                                   matchmaking_kwargs=WAITS)
+        averager = stand_in(_running_groups={b"g": asyncio.Future()})
         waiting = asyncio.create_task(anext(handler(averager, as_aiter(averaging_pb2.AveragingData(group_id=b"g")),
                                                     None)))
         await asyncio.sleep(0.05)
@@ -177,16 +183,13 @@ def test_a_sender_dropping_its_stream_before_the_round_starts_leaves_the_round_s
 
 def test_a_part_for_a_group_that_never_forms_is_answered_within_a_matchmaking_time():
     """hivemind's handler waits for the next group this peer registers, however long that takes (the control of
-    tests/test_attacks.py timed out while the victim was alone); ours answers BAD_GROUP_ID after a matchmaking time."""
-    import asyncio
-    from types import SimpleNamespace
-
+    tests/test_attacks.py timed out while the victim was alone); ours answers BAD_GROUP_ID after a matchmaking time
+    (or a sender timeout, where that is longer: test_a_part_waits_up_to_the_sender_timeout_...)."""
     from hivemind.proto import averaging_pb2
     from hivemind.utils.asyncio import anext, as_aiter
 
     async def ask(handler):
-        averager = SimpleNamespace(_running_groups={}, _pending_groups_registered=asyncio.Event(),
-                                   matchmaking_kwargs=WAITS)  # looking for a group: no group registered yet
+        averager = stand_in(_running_groups={})  # looking for a group: no group registered yet
         reply = handler(averager, as_aiter(averaging_pb2.AveragingData(group_id=b"never")), None)
         try:
             return await asyncio.wait_for(anext(reply), 3.0)
