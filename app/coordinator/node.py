@@ -146,9 +146,8 @@ class CoordinatorNode:
 
     def _start_checkpointer(self, dht):
         """The run's checkpointer, or None (with the reason, once) when this run's task cannot be saved here."""
-        from dedloc_common.contract import CheckpointOptions
-
         import torch
+        from dedloc_common.contract import CheckpointOptions
 
         from app.coordinator.checkpointer import Checkpointer
 

@@ -113,7 +113,7 @@ class OptimizerOptions(BaseModel):
 
     @model_validator(mode="before")
     @classmethod
-    def _updates_off_means_both(cls, values: Any) -> Any:
+    def _one_option_sets_both(cls, values: Any) -> Any:
         """Either option alone turns delayed updates on or off: averaging in the background needs delayed updates."""
         if isinstance(values, dict) and len({"delay_optimizer_step", "delay_grad_averaging"} & values.keys()) == 1:
             given = values.get("delay_optimizer_step", values.get("delay_grad_averaging"))
