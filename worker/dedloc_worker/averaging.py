@@ -452,6 +452,11 @@ class PlannedGradientAverager(GradientAverager, PlannedAverager):
         kwargs.setdefault("allow_state_sharing", False)
         super().__init__(*args, **kwargs)
 
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None) -> None:
+        """Nothing to load: its buffers are this epoch's gradients, reset before use. hivemind's Optimizer asks after
+        every state download, and the ask found no source and said so in the terminal."""
+        return None
+
 
 def guard_weightless_parts() -> None:
     """Make a part whose senders all carry weight 0 average to zeros instead of 0/0 = NaN. Call before forking.

@@ -36,7 +36,7 @@ import gc
 import signal
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
 import hivemind
@@ -227,17 +227,34 @@ class FinishedEpoch:
     samples: int
 
 
+@dataclass
+class RoundReceipts:
+    """What the receipt log held once an epoch's round had ended (``receipts.ReceiptLog.drain``): the round this
+    peer joined ("" if none formed), the parts it aggregated and what it cut from their senders."""
+
+    group: str = ""
+    aggregated: dict = field(default_factory=dict)
+    attested: dict = field(default_factory=dict)
+
+
 class AccountedOptimizer(hivemind.Optimizer):
-    """``hivemind.Optimizer`` that remembers how many local samples went into each global step.
+    """``hivemind.Optimizer`` that remembers how many local samples went into each global step, and which round.
 
     hivemind weights this peer's gradients by ``grad_averager.local_samples_accumulated`` when it averages, so
     that number, read as the epoch closes, is exactly this peer's contribution to the step. Samples discarded
     because the peer fell out of sync never reach it.
+
+    Each finished epoch gets its round's receipts in ``rounds_over``, in order, once the round has ended: at once
+    without delayed updates, and during the next epoch with them, where the round runs in the background. They
+    are taken before the next round begins, so a claim is never tied to the round after its own.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, receipts=None, **kwargs):
         super().__init__(*args, **kwargs)
+        self.receipts = receipts  # a receipts.ReceiptLog, or None: every round's receipts are empty
         self.finished_epochs: List[FinishedEpoch] = []
+        self.rounds_over: List[RoundReceipts] = []
+        self._round_running = False
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs):
         from .tracker import ThrottledProgressTracker
@@ -246,12 +263,32 @@ class AccountedOptimizer(hivemind.Optimizer):
                                         client_mode=self.client_mode, status_loglevel=self.status_loglevel,
                                         start=True, **kwargs)
 
+    def collect_rounds(self) -> None:
+        """Take the last epoch's receipts if its round has ended (call between mini-steps)."""
+        if self._round_running and not (self.delay_grad_averaging and self._update_pending()):
+            self._take_receipts()
+
+    def _update_pending(self) -> bool:
+        """Whether the last step's background work (its round, then its update) is still running."""
+        return not all(update.done() for update in self.state_averager.pending_updates)
+
+    def _take_receipts(self) -> None:
+        group, aggregated = self.receipts.drain() if self.receipts is not None else (None, {})
+        attested = self.receipts.take_attested() if self.receipts is not None else {}
+        self.rounds_over.append(RoundReceipts(group or "", aggregated, attested))
+        self._round_running = False
+
     def _update_global_epoch(self, grad_scaler) -> None:
+        if self._round_running:  # under delayed updates: the previous round ends before the next one begins
+            self.state_averager.step(wait_for_delayed_updates=True)  # as hivemind's step does first thing
+            self._take_receipts()
         samples = self.grad_averager.local_samples_accumulated
         super()._update_global_epoch(grad_scaler)
         # The step leads to the collaboration's next epoch; a peer that lagged one behind jumps two, so the
         # step is named by where it leads (minus one), the same number on every peer that took part.
         self.finished_epochs.append(FinishedEpoch(self.local_epoch - 1, samples))
+        self._round_running = True
+        self.collect_rounds()  # without delayed updates the round is over already
 
 
 def inner_optimizer(options):
@@ -293,11 +330,11 @@ def gradient_compression(options):
 
 
 def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: bool = False, verbose: bool = False,
-                     attest=None):
+                     receipts=None):
     """The run's collaborative optimizer over ``params``, configured from the run config.
 
     :param aux: an auxiliary peer: it aggregates its share of every round and trains nothing
-    :param attest: ``PlannedAverager``'s ``attest`` callback (``receipts.ReceiptLog.note_attestation``)
+    :param receipts: the ``receipts.ReceiptLog`` its rounds are noted in (``AccountedOptimizer.rounds_over``)
     """
     from .averaging import PlannedGradientAverager, guard_weightless_parts
     from .matchmaking import pace_matchmaking
@@ -336,10 +373,12 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
         # Pitfall 2: averager_opts reach only the state averager; the gradient averager gets them here, and it is
         # the one that applies the coordinator's averaging plan.
         grad_averager_factory=functools.partial(PlannedGradientAverager, part_size_bytes=GRADIENT_PART_BYTES,
-                                                robust=robust_rule(config), attest=attest, **averager_opts),
+                                                robust=robust_rule(config), **averager_opts,
+                                                attest=receipts.note_attestation if receipts else None),
         averager_opts=averager_opts,
         tracker_opts=dict(metadata_expiration=opt.metadata_expiration),
         verbose=verbose,
+        receipts=receipts,
     )
     signal.signal(signal.SIGINT, on_interrupt)  # pitfall 7
     return optimizer

@@ -17,7 +17,7 @@ from dedloc_common.contract import (RECENT_EPOCHS_KEPT, EpochContribution, LinkR
 from .errors import TrainingError, WorkerError
 from .records import METRICS_INTERVAL, MetricsPublisher, publish_metrics
 from .spot_checks import GradientSum, checkable, epoch_seed
-from .swarm import create_optimizer, restore, state_averaging_period
+from .swarm import RoundReceipts, create_optimizer, restore, state_averaging_period
 
 
 LEAVE_GRACE = 2.0  # seconds a leaving peer keeps serving the round it just finished
@@ -109,8 +109,7 @@ def train(
     """
     addrs = [] if client_mode else [str(addr) for addr in dht.get_visible_maddrs()]
     hardware = hardware or describe_hardware()
-    opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode, aux=aux,
-                           attest=receipts.note_attestation if receipts is not None else None)
+    opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode, aux=aux, receipts=receipts)
     if resume is not None:
         restore(opt, resume)
     scaler = grad_scaler(task)
@@ -119,6 +118,8 @@ def train(
     peer_key = peer_key_of_subkey(signature.local_public_key)
     tally = open_epoch(task, config, peer_key, opt.local_epoch)
     run_over = paused = False
+    unsettled: deque = deque()  # claims of finished epochs whose rounds are still running (delayed updates)
+    link = None
     # an auxiliary peer counts as online while its record is fresh (metadata_expiration): it is stored well within
     publisher = MetricsPublisher(functools.partial(publish_metrics, dht, config.run_id, signature),
                                  interval=min(METRICS_INTERVAL, config.optimizer.metadata_expiration / 3))
@@ -149,28 +150,35 @@ def train(
                 stop.wait(AUX_POLL)
             else:
                 mini_step(task, config, opt, tally, scaler)
+            opt.collect_rounds()
             while opt.finished_epochs:
-                finished = opt.finished_epochs.pop(0)
-                group, aggregated = receipts.drain() if receipts else (None, {})
-                attested = receipts.take_attested() if receipts else {}
-                contribution = close_epoch(tally, finished, group, aggregated, attested)
-                contributions.append(contribution)
-                every_contribution.append(contribution)
+                unsettled.append(close_epoch(tally, opt.finished_epochs.pop(0)))  # its round's receipts come next
                 link = follower.after_epoch(opt.grad_averager) if follower else None
                 # hivemind reads this attribute at every epoch: it follows the swarm's size
                 opt.average_state_every = state_averaging_period(opt.tracker.global_progress.num_peers,
                                                                  config.optimizer.group_size,
                                                                  config.optimizer.average_state_every)
-                record = metrics_record(username, opt, contributions, addrs, hardware, link, reachability)
-                publisher.submit(record)
+            while unsettled and opt.rounds_over:
+                contribution = with_receipts(unsettled.popleft(), opt.rounds_over.pop(0))
+                contributions.append(contribution)
+                every_contribution.append(contribution)
+                publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
             if tally.epoch != opt.local_epoch:
                 tally = open_epoch(task, config, peer_key, opt.local_epoch)  # or state reloaded: samples dropped
-            on_status(status_of(opt, contributions[-1] if contributions else None))
+            last = unsettled[-1] if unsettled else contributions[-1] if contributions else None
+            on_status(status_of(opt, last))
         check_finite(task.model)
         state = {k: v.clone() for k, v in task.model.state_dict().items()}
         # This peer's averager still holds parts of the last round that partners are receiving: leaving at once
         # would fail their round and split the model. A short grace lets it deliver them.
         time.sleep(LEAVE_GRACE)
+        opt.collect_rounds()
+        if unsettled:  # the last claims, with their rounds' receipts where those rounds have ended
+            for claim in unsettled:
+                ended = opt.rounds_over.pop(0) if opt.rounds_over else RoundReceipts()
+                contributions.append(with_receipts(claim, ended))
+                every_contribution.append(contributions[-1])
+            publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
         return TrainingResult(every_contribution, opt.local_epoch, state, finished=run_over)
     finally:
         publisher.close(timeout=LEAVE_GRACE)  # on the way out after an error, not held up by a slow store
@@ -228,12 +236,9 @@ def mini_step(task, config: RunConfig, opt, tally: EpochTally, scaler=None) -> N
     opt.zero_grad()
 
 
-def close_epoch(tally: EpochTally, finished, group: Optional[str], aggregated: dict,
-                attested: Optional[dict] = None) -> EpochContribution:
+def close_epoch(tally: EpochTally, finished) -> EpochContribution:
+    """The claim of a finished epoch, without its round's receipts (``with_receipts``)."""
     return EpochContribution(
-        group=group or "",
-        aggregated=aggregated,
-        attested=attested or {},
         epoch=finished.epoch,
         samples=finished.samples,
         loss_sum=float(tally.loss_sum),
@@ -241,6 +246,11 @@ def close_epoch(tally: EpochTally, finished, group: Optional[str], aggregated: d
         seconds=round(time.monotonic() - tally.started, 3),
         sketch=tally.gradients.sketch() if tally.gradients is not None else "",
     )
+
+
+def with_receipts(claim: EpochContribution, receipts: RoundReceipts) -> EpochContribution:
+    return claim.copy(update={"group": receipts.group, "aggregated": receipts.aggregated,
+                              "attested": receipts.attested})
 
 
 def describe_hardware() -> str:
