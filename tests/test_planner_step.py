@@ -220,7 +220,7 @@ def test_either_delayed_updates_option_alone_turns_both_on_or_off():
         return RunConfig(slug="r", run_id="r", task="tiny-lm", target_batch_size=512, batch_size=16,
                          optimizer=OptimizerOptions(**optimizer))
 
-    assert not step_options(config()).overlap  # off by default: the planner models a blocking round
+    assert step_options(config()).overlap  # on by default: the round overlaps the accumulation
     on = config(delay_optimizer_step=True)
     assert on.optimizer.delay_grad_averaging and step_options(on).overlap  # the round overlaps the accumulation
     assert config(delay_grad_averaging=True).optimizer.delay_optimizer_step

@@ -92,10 +92,10 @@ class OptimizerOptions(BaseModel):
     next_chunk_timeout: Optional[float] = Field(None, gt=0)
     # Progress records of dead peers linger this long (seconds); short keeps survivors at full speed.
     metadata_expiration: float = Field(60.0, gt=0)
-    # Delayed parameter updates (DPU, the paper's): a step's round and update run during the next accumulation. Off
-    # by default while rounds under them still lose parts now and then (docs/benchmarks.md#delayed-parameter-updates).
-    delay_optimizer_step: bool = False
-    delay_grad_averaging: bool = False
+    # Delayed parameter updates (DPU, the paper's): a step's round and update run during the next accumulation, so a
+    # worker computes while its round runs (docs/benchmarks.md#delayed-parameter-updates).
+    delay_optimizer_step: bool = True
+    delay_grad_averaging: bool = True
     # How each aggregator averages its parts: centered_clip caps each sender's weight at the run's ceiling for the
     # round, drops non-finite parts and runs CenteredClip (docs/averaging.md#robust-aggregation); mean: hivemind's
     # plain weighted mean. clip_radius is tau for the whole gradient vector (its L2 norm units).

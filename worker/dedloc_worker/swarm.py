@@ -27,6 +27,8 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
     ``create_optimizer``); the gradient averager is no state source (``averaging.PlannedGradientAverager``).
 16. An auxiliary peer that averages in the background (``delay_grad_averaging``) fails at its first epoch: it takes
     no step, and hivemind asserts that its averaging trigger needs one. ``create_optimizer`` delays nothing there.
+17. Under delayed updates an epoch's round runs during the next epoch: its receipts are taken once it is over and
+    before the next round begins (``AccountedOptimizer.rounds_over``), not at the epoch's end.
 """
 
 from __future__ import annotations
