@@ -37,6 +37,7 @@ import httpx
 from app.cli.demo import DEMO_TASK, write_corpus
 from app.core.processes import group_members, spawn, stop_all
 from dedloc_common.contract import LOOPBACK_OPTIMIZER, OptimizerOptions
+from dedloc_worker.terminal import NO_GROUP, PART_LATE, RESULTS_LATE
 from bench import write_results
 
 RESULTS = Path("bench/results")
@@ -54,8 +55,9 @@ CONFIGS = [("tiny-lm", 4096, DEFAULTS.delay_optimizer_step, DEFAULTS.compression
            ("tiny-lm", 4096, not DEFAULTS.delay_optimizer_step, DEFAULTS.compression),
            ("tiny-lm", 4096, True, "fp16"), ("albert", 1024, True, "none"),
            ("tiny-lm", 16384, DEFAULTS.delay_optimizer_step, DEFAULTS.compression)]
-# A worker's lines for a round that lost parts (dedloc_worker.terminal): its epoch still counts, averaged in part.
-PARTIAL = re.compile(r"of its senders' gradients in time|of the averaged gradient came back in time")
+# A worker's lines for a round that lost parts (dedloc_worker.terminal's, by their text after the percentage): its
+# epoch still counts, averaged in part.
+PARTIAL = re.compile("|".join(re.escape(line.split("% ", 1)[1]) for line in (PART_LATE, RESULTS_LATE)))
 
 
 def solo_rate(task: str, target: int, seconds: float, corpus: Path) -> tuple[float, float]:
@@ -144,7 +146,7 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
         wait(lambda: logged_epoch(log) > last, 300, poll=0.05)
         end, t1, cpu1 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
         logs = [(work / f"peer{i}.log").read_text() for i in range(PEERS)]
-        failed = sum(text.count("no averaging group formed") for text in logs)
+        failed = sum(text.count(NO_GROUP) for text in logs)
         return dict(swarm_samples_per_second=round((end - begin) * target / (t1 - t0), 1),
                     epochs=end - begin, epoch_seconds=round((t1 - t0) / (end - begin), 2), failed_rounds=failed,
                     partial_rounds=sum(partial_rounds(text) for text in logs),

@@ -14,14 +14,15 @@ BROKE_OFF = ("an averaging round broke off (a peer left or stopped answering); t
              "gradients, and the next round tries again")
 NO_GROUP = ("no averaging group formed this round (the other peers were busy or gone); this step uses this "
             "peer's own gradients, and the next round tries again")
+# A round that lost parts (a partial round), from the aggregator's side and from the sender's (\1: the percentage).
+PART_LATE = r"an aggregated part got \1% of its senders' gradients in time; it averaged those"
+RESULTS_LATE = r"\1% of the averaged gradient came back in time; the rest of this round used this peer's own gradient"
 # Messages whose text says all there is to say about an expected event: (pattern, one line or None to drop).
 EXPECTED = [
     (re.compile(r"Averaging step failed: could not find a group"), NO_GROUP),
     (re.compile(r"Another look_for_group is already in progress"), None),
-    (re.compile(r"Reducer: received ([\d.]+)% of input tensors"),
-     r"an aggregated part got \1% of its senders' gradients in time; it averaged those"),
-    (re.compile(r"Averaging: received ([\d.]+)% results"),
-     r"\1% of the averaged gradient came back in time; the rest of this round used this peer's own gradient"),
+    (re.compile(r"Reducer: received ([\d.]+)% of input tensors"), PART_LATE),
+    (re.compile(r"Averaging: received ([\d.]+)% results"), RESULTS_LATE),
     (re.compile(r"Averager shutdown has no effect: the process is already not alive"), None),
     (re.compile(r"Failed to download state from \S+ - "),
      "could not download the training state from one peer (it left, or answered too slowly); asking another"),
