@@ -221,6 +221,10 @@ async def rejoin(_dht, node, addrs: Sequence[str], always: bool = False, timeout
     return alone, await reach_peers(_dht, node, addrs, timeout)
 
 
+# Seconds a leaving peer serves a round its group formed for (hivemind's Optimizer.shutdown waits an averaging timeout)
+TAG_ALONG_ON_LEAVE = 2.0
+
+
 @dataclass
 class FinishedEpoch:
     """One collaboration step this peer took part in: the epoch it closed and the samples it averaged in."""
@@ -257,6 +261,7 @@ class AccountedOptimizer(hivemind.Optimizer):
         self.finished_epochs: List[FinishedEpoch] = []
         self.rounds_over: List[RoundReceipts] = []
         self._round_running = False
+        self._leaving = False
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs):
         from .tracker import ThrottledProgressTracker
@@ -279,6 +284,24 @@ class AccountedOptimizer(hivemind.Optimizer):
         attested = self.receipts.take_attested() if self.receipts is not None else {}
         self.rounds_over.append(RoundReceipts(group or "", aggregated, attested))
         self._round_running = False
+
+    def shutdown(self) -> None:
+        self._leaving = True
+        super().shutdown()
+
+    def _tag_along_with_zero_weight(self, control) -> None:
+        """hivemind joins a round this peer's group formed for with zero weight, and waits up to the averaging
+        timeout for it (60 s by default); a leaving peer waits at most ``TAG_ALONG_ON_LEAVE``."""
+        if not self._leaving:
+            return super()._tag_along_with_zero_weight(control)
+        if not control.triggered:
+            control.weight = 0
+            control.allow_allreduce()
+        try:
+            control.result(TAG_ALONG_ON_LEAVE)
+        except BaseException:  # the round failed or ran past the wait: either way this peer is leaving
+            if not control.done():
+                control.cancel()
 
     def _update_global_epoch(self, grad_scaler) -> None:
         if self._round_running:  # under delayed updates: the previous round ends before the next one begins

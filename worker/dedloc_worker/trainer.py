@@ -170,15 +170,19 @@ def train(
         check_finite(task.model)
         state = {k: v.clone() for k, v in task.model.state_dict().items()}
         # This peer's averager still holds parts of the last round that partners are receiving: leaving at once
-        # would fail their round and split the model. A short grace lets it deliver them.
-        time.sleep(LEAVE_GRACE)
-        opt.collect_rounds()
-        if unsettled:  # the last claims, with their rounds' receipts where those rounds have ended
+        # would fail their round and split the model. A short grace lets it deliver them; the last claims are
+        # published within it, once their rounds have ended (or as they stand at its end).
+        grace_ends = time.monotonic() + LEAVE_GRACE
+        while unsettled and len(opt.rounds_over) < len(unsettled) and time.monotonic() < grace_ends:
+            time.sleep(0.05)
+            opt.collect_rounds()
+        if unsettled:
             for claim in unsettled:
                 ended = opt.rounds_over.pop(0) if opt.rounds_over else RoundReceipts()
                 contributions.append(with_receipts(claim, ended))
                 every_contribution.append(contributions[-1])
             publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
+        time.sleep(max(0.0, grace_ends - time.monotonic()))
         return TrainingResult(every_contribution, opt.local_epoch, state, finished=run_over)
     finally:
         publisher.close(timeout=LEAVE_GRACE)  # on the way out after an error, not held up by a slow store
