@@ -29,6 +29,8 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
     no step, and hivemind asserts that its averaging trigger needs one. ``create_optimizer`` delays nothing there.
 17. Under delayed updates an epoch's round runs during the next epoch: its receipts are taken once it is over and
     before the next round begins (``AccountedOptimizer.rounds_over``), not at the epoch's end.
+18. ``Optimizer.shutdown`` waits up to the averaging timeout for a round it tags along with; a leaving
+    ``AccountedOptimizer`` waits ``TAG_ALONG_ON_LEAVE``.
 """
 
 from __future__ import annotations
