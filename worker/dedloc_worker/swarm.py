@@ -401,7 +401,7 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
         # the one that applies the coordinator's averaging plan.
         grad_averager_factory=functools.partial(PlannedGradientAverager, part_size_bytes=GRADIENT_PART_BYTES,
                                                 robust=robust_rule(config), **averager_opts,
-                                                attest=receipts.note_attestation if receipts else None),
+                                                attest=receipts.note_attestation if receipts is not None else None),
         averager_opts=averager_opts,
         tracker_opts=dict(metadata_expiration=opt.metadata_expiration),
         verbose=verbose,
