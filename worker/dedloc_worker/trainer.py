@@ -158,10 +158,10 @@ def train(
                 opt.average_state_every = state_averaging_period(opt.tracker.global_progress.num_peers,
                                                                  config.optimizer.group_size,
                                                                  config.optimizer.average_state_every)
-            while unsettled and opt.rounds_over:
-                contribution = with_receipts(unsettled.popleft(), opt.rounds_over.pop(0))
-                contributions.append(contribution)
-                every_contribution.append(contribution)
+            settled = take_settled(unsettled, opt.rounds_over)
+            if settled:
+                contributions.extend(settled)
+                every_contribution.extend(settled)
                 publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
             if tally.epoch != opt.local_epoch:
                 tally = open_epoch(task, config, peer_key, opt.local_epoch)  # or state reloaded: samples dropped
@@ -176,11 +176,10 @@ def train(
         while unsettled and len(opt.rounds_over) < len(unsettled) and time.monotonic() < grace_ends:
             time.sleep(0.05)
             opt.collect_rounds()
-        if unsettled:
-            for claim in unsettled:
-                ended = opt.rounds_over.pop(0) if opt.rounds_over else RoundReceipts()
-                contributions.append(with_receipts(claim, ended))
-                every_contribution.append(contributions[-1])
+        settled = take_settled(unsettled, opt.rounds_over, leaving=True)
+        if settled:
+            contributions.extend(settled)
+            every_contribution.extend(settled)
             publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
         time.sleep(max(0.0, grace_ends - time.monotonic()))
         return TrainingResult(every_contribution, opt.local_epoch, state, finished=run_over)
@@ -241,7 +240,7 @@ def mini_step(task, config: RunConfig, opt, tally: EpochTally, scaler=None) -> N
 
 
 def close_epoch(tally: EpochTally, finished) -> EpochContribution:
-    """The claim of a finished epoch, without its round's receipts (``with_receipts``)."""
+    """The claim of a finished epoch, without its round's receipts (``take_settled`` adds them)."""
     return EpochContribution(
         epoch=finished.epoch,
         samples=finished.samples,
@@ -252,9 +251,15 @@ def close_epoch(tally: EpochTally, finished) -> EpochContribution:
     )
 
 
-def with_receipts(claim: EpochContribution, receipts: RoundReceipts) -> EpochContribution:
-    return claim.copy(update={"group": receipts.group, "aggregated": receipts.aggregated,
-                              "attested": receipts.attested})
+def take_settled(unsettled: deque, rounds_over: list, leaving: bool = False) -> List[EpochContribution]:
+    """The claims whose rounds have ended, with those rounds' receipts (``AccountedOptimizer.rounds_over``, in the
+    same order); ``leaving``: every claim, without receipts where its round has not ended."""
+    settled = []
+    while unsettled and (rounds_over or leaving):
+        receipts = rounds_over.pop(0) if rounds_over else RoundReceipts()
+        settled.append(unsettled.popleft().copy(update={"group": receipts.group, "aggregated": receipts.aggregated,
+                                                        "attested": receipts.attested}))
+    return settled
 
 
 def describe_hardware() -> str:
