@@ -43,14 +43,28 @@ def deployment(tmp_path, output_dir, request):
     deployed.close()
 
 
+MIGRATED_TEMPLATE = "dedloc_migrated"  # a database migrated once per run; each test's is a copy of it
+
+
 @pytest.fixture(scope="session")
 def postgres_url():
-    """A throwaway PostgreSQL cluster for this test run (skipped where the server binaries are missing)."""
+    """A throwaway PostgreSQL cluster for this test run (skipped where the server binaries are missing), with a
+    migrated template database."""
     bin_dir = postgres_bin()
     if bin_dir is None:
         pytest.skip("PostgreSQL server binaries are not installed (apt-get install postgresql)")
     with throwaway_postgres(bin_dir) as url:
+        run_sql(url, f"CREATE DATABASE {MIGRATED_TEMPLATE}")
+        migrate(url.rsplit("/", 1)[0] + f"/{MIGRATED_TEMPLATE}")
         yield url
+
+
+def run_sql(url: str, *statements: str) -> None:
+    engine = make_engine(url)
+    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
+        for statement in statements:
+            connection.exec_driver_sql(statement)
+    engine.dispose()
 
 
 @pytest.fixture(params=["sqlite", "postgresql"])
@@ -60,17 +74,19 @@ def database_url(request, tmp_path):
         return f"sqlite:///{tmp_path / 'dedloc.sqlite3'}"
     base = request.getfixturevalue("postgres_url")
     name = f"t_{os.urandom(4).hex()}"
-    engine = make_engine(base)
-    with engine.connect().execution_options(isolation_level="AUTOCOMMIT") as connection:
-        connection.exec_driver_sql(f"CREATE DATABASE {name}")
-    engine.dispose()
+    run_sql(base, f"CREATE DATABASE {name}")
     return base.rsplit("/", 1)[0] + f"/{name}"
 
 
 @pytest.fixture
-def sessions(database_url):
-    """A session factory on a migrated database (both engines)."""
-    migrate(database_url)
+def sessions(database_url, request):
+    """A session factory on a migrated database (both engines): a copy of one migrated at the start of the run
+    (migrating each test's took a minute of the suite; tests/test_database.py migrates from scratch)."""
+    if database_url.startswith("sqlite"):
+        shutil.copy(request.getfixturevalue("migrated_database"), database_url.removeprefix("sqlite:///"))
+    else:
+        base, name = request.getfixturevalue("postgres_url"), database_url.rsplit("/", 1)[1]
+        run_sql(base, f"DROP DATABASE {name}", f"CREATE DATABASE {name} TEMPLATE {MIGRATED_TEMPLATE}")
     engine = make_engine(database_url)
     yield make_sessionmaker(engine)
     engine.dispose()

@@ -34,20 +34,26 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
         deployment):
     """Two coordinators credit one swarm from one database; then one crashes and the other stops. The workers train
     on, then the run is paused, so no epoch closes and nothing but the workers' claim keepers republishes their
-    records, for three record lifetimes. The restarted coordinator records every claim made during the outage while
+    records, for two record lifetimes. The restarted coordinator records every claim made during the outage while
     the run is still paused (a record that had expired would have taken them with it), and in the end the database
     holds exactly the claims of the workers' --report files, each once, and credits what the other workers' receipts
     confirm. Also the auxiliary role: dave trains nothing, aggregates his share, and his receipts count."""
     deployment.env.update({"DEDLOC_METRICS_TTL": str(TTL), "DEDLOC_PLAN_INTERVAL": "0",
                            "DEDLOC_SECRET_KEY": "a-secret-shared-by-every-process-of-this-deployment"})
     trainers, workers = ["alice", "bob"], ["alice", "bob", "dave"]
-    deployment.start_swarm(trainers, "--max-epochs", "60")
-    deployment.start_worker("dave", "--aux", "--max-epochs", "60")
-    # a second coordinator, elsewhere, on the same database
+    deployment.create_run()
+    deployment.start_portal()
+    deployment.start_coordinator()
+    # a second coordinator, elsewhere, on the same database (started before the workers: it starts faster)
     deployment.start("coordinator-second", "-m", "app.cli", "coordinator", "--run", deployment.slug,
                      env={"DEDLOC_DATA_DIR": str(deployment.workdir / "second"), "DATABASE_URL": deployment.database_url})
     second_log = deployment.logs / "coordinator-second.log"
+    deployment.wait_for_coordinator()
     wait_for(lambda: "listening at" in second_log.read_text(), 60, "the second coordinator")
+    deployment.start_worker("alice", "--max-epochs", "60")
+    wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")
+    deployment.start_worker("bob", "--max-epochs", "60")
+    deployment.start_worker("dave", "--aux", "--max-epochs", "60")
     wait_for(lambda: deployment.swarm()["peers_online"] >= 2, 90, "both trainers online")
     rows = len(deployment.rows_per_epoch())
     wait_for(lambda: len(deployment.rows_per_epoch()) >= rows + 6, 60, "epochs credited while both coordinators run")
@@ -60,7 +66,7 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     wait_for(lambda: all(local_epoch((deployment.logs / f"{name}.log").read_text()) >= down_at + 3 for name in trainers),
              60, "the workers to train on: a few epochs nobody records")
     deployment.set_state("paused")
-    time.sleep(3 * TTL + 6)  # paused: nothing closes an epoch; a record not kept alive would be gone
+    time.sleep(2 * TTL + 4)  # paused: nothing closes an epoch; a record not kept alive would be gone
     assert all(deployment.processes[name].poll() is None for name in workers), "a worker ended early"
 
     deployment.start_coordinator("coordinator-restarted")
@@ -77,9 +83,9 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
         trained = {name: sorted(e for (user, e), samples in claims.items() if user == name and samples)
                    for name in trainers}
         shared = set(trained["alice"][1:]) & set(trained["bob"][1:])
-        return trained["alice"][-1] >= paused_epoch + 3 and len(shared) >= 12
+        return trained["alice"][-1] >= paused_epoch + 3 and len(shared) >= 10
 
-    wait_for(trained_on, 180, "training to go on after the pause, twelve epochs shared by both trainers")
+    wait_for(trained_on, 180, "training to go on after the pause, ten epochs shared by both trainers")
     assert all(deployment.processes[name].poll() is None for name in workers), "a worker ended early"
     for name in workers:  # volunteers leave with Ctrl-C
         deployment.processes[name].send_signal(signal.SIGINT)
@@ -105,7 +111,7 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     trained = {name: sorted(c["epoch"] for c in reports[name] if c["samples"]) for name in trainers}
     both = set(trained["alice"][1:-1]) & set(trained["bob"][1:-1])
     alone = [(name, c["epoch"]) for name in trainers for c in reports[name] if c["epoch"] in both and not c["group"]]
-    assert len(both) >= 10 and len(alone) <= max(2, len(both) // 10), (len(both), alone)
+    assert len(both) >= 8 and len(alone) <= max(2, len(both) // 10), (len(both), alone)
     # and some plan named him as auxiliary (the current one may not: a plan is replaced only when 5% faster)
     roles = [{peer["username"]: peer["role"] for peer in plan} for plan in deployment.plans()]
     assert any(named.get("dave") == "aux" for named in roles), roles

@@ -20,7 +20,7 @@ from tests.support.harness import Deployment, wait_for
 pytestmark = pytest.mark.swarm
 
 SLUG = "albert"
-TARGET_EPOCHS = 32
+TARGET_EPOCHS = 24
 TASK = {"model": DEMO_MODEL, "data": {"files": ["train.txt"], "eval_files": ["eval.txt"]},
         "tokenizer": {"train": {"vocab_size": 2000}}, "sequence_length": 64, "eval_samples": 48}
 # Progress records of leavers expire in 4 s, so "every worker left" is seen soon after it happens.

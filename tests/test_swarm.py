@@ -90,7 +90,7 @@ def test_three_workers_two_of_them_liars_follow_the_plan_average_exactly_and_are
     deployment.start_coordinator()
     deployment.wait_for_coordinator()
     witness = [str(WITNESS), str(rounds)]
-    deployment.start_worker("alice", "--max-epochs", "11", script=witness)
+    deployment.start_worker("alice", "--max-epochs", "9", script=witness)
     wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")
     # The organizer's ceiling: three times what one worker does alone on this machine. Sharing two cores, each
     # worker then runs at half to two thirds of that, so honest ones stay under it and 100x liars go over.
@@ -100,7 +100,7 @@ def test_three_workers_two_of_them_liars_follow_the_plan_average_exactly_and_are
     # the three then met too rarely): on resume they load her state and the three train every epoch from there.
     deployment.set_state("paused")
     for name, lie in (("bob", "metrics"), ("carol", "both")):
-        deployment.start_worker(name, "--max-epochs", "11", script=[str(LIAR), lie, *witness])
+        deployment.start_worker(name, "--max-epochs", "9", script=[str(LIAR), lie, *witness])
     wait_for(lambda: all("the run is paused" in (deployment.logs / f"{name}.log").read_text() for name in workers[1:]),
              120, "bob and carol to join the paused run")
     deployment.set_state("active")

@@ -58,7 +58,7 @@ class Checkpointer(threading.Thread):
         self.held_epoch = -1  # the epoch of the state the averager holds from a download; -1 before the first
         self.lock = threading.Lock()  # one download or archive at a time: saves and spot checks share the averager
         self.swarm_epoch = 0
-        self.final_wanted = False
+        self.final_epoch: Optional[int] = None  # the run's target once the swarm reached it: the final's epoch
         self.final_saved = False
         self._wake, self._halt = threading.Event(), threading.Event()
 
@@ -67,8 +67,8 @@ class Checkpointer(threading.Thread):
         if self.due():
             self._wake.set()
 
-    def finish(self) -> None:
-        self.final_wanted = True
+    def finish(self, target_epoch: int) -> None:
+        self.final_epoch = target_epoch
         self._wake.set()
 
     def due(self) -> bool:
@@ -85,7 +85,7 @@ class Checkpointer(threading.Thread):
             self._wake.clear()
             if self._halt.is_set():
                 break
-            if self.final_wanted and not self.final_saved:
+            if self.final_epoch is not None and not self.final_saved:
                 self.final_saved = self.save(final=True) is not None
             elif self.due():
                 self.save()
@@ -132,7 +132,12 @@ class Checkpointer(threading.Thread):
     def _save(self, final: bool) -> Optional[int]:
         """Download the state, evaluate it, store it; the epoch saved, or None when no peer gave newer state."""
         epoch = self.download()
-        if epoch <= self.saved_epoch and not (final and epoch >= 0 and epoch == self.saved_epoch):
+        if final and epoch < self.final_epoch:
+            # The swarm's epoch runs ahead of what a peer announces it serves: the first download may come from a
+            # peer one step behind. The run loop asks again at its next wake-up.
+            logger.info("no peer serves the target epoch %d yet (got %d)", self.final_epoch, epoch)
+            return None
+        if epoch <= self.saved_epoch and not (final and epoch == self.saved_epoch):
             logger.info("no peer holds state newer than epoch %d yet", self.saved_epoch)
             self.saved_at = time.monotonic()
             return None

@@ -301,7 +301,7 @@ class CoordinatorNode:
         self.checkpointer.options = CheckpointOptions(**(run.checkpoints or {}))  # organizers change them live
         self.checkpointer.offer(epoch)
         if run.target_epochs is not None and epoch >= run.target_epochs:
-            self.checkpointer.finish()
+            self.checkpointer.finish(run.target_epochs)
 
     def _reach_known_workers(self, dht) -> None:
         """Seeing nobody, call the workers any coordinator of this run saw lately: a restarted or second
