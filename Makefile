@@ -30,8 +30,13 @@ $(STAMP): constraints.txt pyproject.toml setup.py worker/pyproject.toml common/p
 demo: setup
 	$(BIN)/dedloc demo
 
+# Two passes, both always run: the tests that start no swarm on every core (pytest-xdist; a file stays on one core,
+# so its module fixtures are built once), then the swarm tests one at a time with the machine to themselves (their
+# rounds and timeouts are sized for that).
 test: setup
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -m "not swarm" -n auto --dist loadfile; first=$$?; \
+	$(BIN)/python -m pytest -m swarm; second=$$?; \
+	[ $$first -eq 0 ] && [ $$second -eq 0 ]
 
 bench: setup
 	$(BIN)/python -m bench

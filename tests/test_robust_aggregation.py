@@ -22,6 +22,8 @@ from app.core.processes import spawn, stop_all
 from tests.support.actors import POISONER
 from tests.support.harness import TAG, tagged_processes, wait_for
 
+pytestmark = pytest.mark.swarm
+
 BATCH, COMPUTE_SECONDS = 32, 0.3
 ATTACKS = ("x1000", "flip", "nan", "weight")
 SCHEDULE = {
