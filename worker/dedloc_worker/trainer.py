@@ -132,23 +132,23 @@ def train(
                 break
             if max_epochs is not None and epoch_of(opt, aux) >= max_epochs:
                 break
+            if watch is not None and watch.state == "finished":
+                run_over = True
+                break
             if watch is not None and watch.state != "active":
-                if watch.state == "finished":
-                    run_over = True
-                    break
                 if not paused:
                     print("the run is paused by its organizers: training nothing, still in the swarm; "
                           "training resumes when they resume it", flush=True)
                     paused = True
-                stop.wait(watch.interval)  # paused: keep the swarm connection, train nothing
-                continue
-            if paused:
-                print("the run is resumed: training", flush=True)
-                paused = False
-            if aux:
+                # Paused: keep the swarm connection, train nothing; the round of the last epoch may still end
+                # and its claim be published (below), so the pause holds no credit back.
+                stop.wait(watch.interval)
+            elif aux:
+                paused = resumed(paused)
                 opt.step()  # joins the round when the swarm is ready for one
                 stop.wait(AUX_POLL)
             else:
+                paused = resumed(paused)
                 mini_step(task, config, opt, tally, scaler)
             opt.collect_rounds()
             while opt.finished_epochs:
@@ -165,8 +165,9 @@ def train(
                 publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
             if tally.epoch != opt.local_epoch:
                 tally = open_epoch(task, config, peer_key, opt.local_epoch)  # or state reloaded: samples dropped
-            last = unsettled[-1] if unsettled else contributions[-1] if contributions else None
-            on_status(status_of(opt, last))
+            if not paused:  # the display counts mini-steps
+                last = unsettled[-1] if unsettled else contributions[-1] if contributions else None
+                on_status(status_of(opt, last))
         check_finite(task.model)
         state = {k: v.clone() for k, v in task.model.state_dict().items()}
         # This peer's averager still holds parts of the last round that partners are receiving: leaving at once
@@ -186,6 +187,13 @@ def train(
     finally:
         publisher.close(timeout=LEAVE_GRACE)  # on the way out after an error, not held up by a slow store
         opt.shutdown()
+
+
+def resumed(paused: bool) -> bool:
+    """Training (again): says so once after a pause; the new paused flag."""
+    if paused:
+        print("the run is resumed: training", flush=True)
+    return False
 
 
 def await_final_checkpoint(watch, stop: threading.Event, limit: float = FINAL_WAIT) -> None:
