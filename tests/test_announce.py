@@ -65,7 +65,7 @@ def test_announce_needs_a_fixed_listen_port(deployment):
 @pytest.mark.swarm
 def test_workers_join_through_the_announced_address(deployment):
     deployment.create_run()
-    deployment.start_portal()
+    deployment.start_portal(wait=False)
     listen_port = free_port()
     forwarder = Forwarder(("127.0.0.1", listen_port))
     forwarder.start()

@@ -51,9 +51,9 @@ def test_the_dashboard_of_a_running_demo_moves_without_a_reload(deployment, chro
     wait_for(lambda: not tagged_processes(deployment.tag), 15, "every demo process to end")
     again = deployment.start("demo-again", "-m", "app.cli", "demo")
     restarted = datetime.now(timezone.utc)
-    wait_for(lambda: (lambda swarm: swarm["peers_online"] == 2 and swarm["updated_at"]
+    wait_for(lambda: (lambda swarm: swarm["peers_online"] >= 1 and swarm["updated_at"]
                       and datetime.fromisoformat(swarm["updated_at"]) > restarted)(
-        deployment.get("/api/v1/runs/demo/swarm")), 150, "the second demo's two workers online")
+        deployment.get("/api/v1/runs/demo/swarm")), 150, "the second demo's founder training")
     again.send_signal(signal.SIGINT)
     assert again.wait(60) == 0
     # Everything the demo's processes printed while they trained: expected events are one line each. (At exit,

@@ -173,9 +173,7 @@ def test_a_failing_task_ends_the_worker_cleanly(deployment, monkeypatch):
     done = deployment.cli("create-run", deployment.slug, "--task", FAULTY_TASK,
                           "--target-batch-size", "4096", "--task-options", '{"explode_after": 5}')
     assert done.returncode == 0, done.stderr
-    deployment.start_portal()
-    deployment.start_coordinator()
-    deployment.wait_for_coordinator()
+    deployment.start_servers()
     worker = deployment.start_worker("alice")
     assert worker.wait(90) == 4
     log = (deployment.logs / "alice.log").read_text()

@@ -48,9 +48,7 @@ def deployment(internet, tmp_path_factory, output_dir):
 def swarm(deployment, internet):
     """The run, portal and coordinator; olga on the open host takes the first step, then hana joins from home."""
     deployment.create_run(target_batch_size=2048)
-    deployment.start_portal()
-    deployment.start_coordinator()
-    deployment.wait_for_coordinator()
+    deployment.start_servers()
     start_worker_on(deployment, internet, "open", "olga")
     wait_for(lambda: deployment.swarm()["epoch"] >= 1, 150, "olga to take the first step")
     start_worker_on(deployment, internet, "home", "hana")

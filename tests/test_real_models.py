@@ -20,7 +20,7 @@ from tests.support.harness import Deployment, wait_for
 pytestmark = pytest.mark.swarm
 
 SLUG = "albert"
-TARGET_EPOCHS = 24
+TARGET_EPOCHS = 20
 TASK = {"model": DEMO_MODEL, "data": {"files": ["train.txt"], "eval_files": ["eval.txt"]},
         "tokenizer": {"train": {"vocab_size": 2000}}, "sequence_length": 64, "eval_samples": 48}
 # Progress records of leavers expire in 4 s, so "every worker left" is seen soon after it happens.
@@ -40,9 +40,7 @@ def run(tmp_path_factory):
                              "--batch-size", "16", "--optimizer", json.dumps(OPTIMIZER), "--target-epochs",
                              str(TARGET_EPOCHS), "--checkpoints", json.dumps({"every_epochs": 4, "keep": 10}))
     assert created.returncode == 0, created.stderr
-    deployment.start_portal()
-    deployment.start_coordinator()
-    deployment.wait_for_coordinator()
+    deployment.start_servers()
     yield deployment
     deployment.close()
 

@@ -206,9 +206,7 @@ def test_a_worker_sending_flipped_gradients_is_held_by_a_spot_check_and_an_hones
     the same checks ran on her)."""
     # no checks while mallory joins: a state download every epoch slows alice's answer to mallory's own download
     deployment.create_run(target_batch_size=1024, checkpoints={"spot_check_rate": 0.0})
-    deployment.start_portal()
-    deployment.start_coordinator()
-    deployment.wait_for_coordinator()
+    deployment.start_servers()
     deployment.start_worker("alice")
     wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")
     deployment.start_worker("mallory", script=[str(FLIPPER)])

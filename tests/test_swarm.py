@@ -86,9 +86,7 @@ def test_three_workers_two_of_them_liars_follow_the_plan_average_exactly_and_are
     # 2048 let alice race ahead and the joiners rarely all met. The plain mean: this test checks hivemind's exact
     # weighted mean and credit against carol's 100x weight (the cap and CenteredClip: test_robust_aggregation.py).
     deployment.create_run(target_batch_size=3072, aggregation="mean")
-    deployment.start_portal()
-    deployment.start_coordinator()
-    deployment.wait_for_coordinator()
+    deployment.start_servers()
     witness = [str(WITNESS), str(rounds)]
     deployment.start_worker("alice", "--max-epochs", "9", script=witness)
     wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")

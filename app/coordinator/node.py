@@ -22,7 +22,7 @@ from dedloc_common.contract import AckRecord
 from dedloc_worker.records import (TOKEN_RECORD_TTL, add_record_validators, metrics_ttl, publish_acks,
                                    publish_denylist, publish_plan, read_metrics, read_progress)
 from dedloc_worker.swarm import SwarmDHT, reach_peers
-from sqlalchemy.exc import SQLAlchemyError
+from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
 from app.runs import registry
 
@@ -255,9 +255,15 @@ class CoordinatorNode:
                 plan = self.plans.update(session, run, links_online(session, run, metrics, online, max_age))
                 session.commit()
             export_if_due(self.sessions, self.settings.data_dir, utcnow())  # the public daily stats dumps
+        except IntegrityError as e:
+            # Another coordinator on this database wrote the same rows first (a new peer, an epoch): nothing is lost,
+            # the next poll reads what it wrote.
+            logger.warning("another coordinator recorded this poll's rows first; the next poll goes on from them (%s)",
+                           e.orig)
+            return
         except SQLAlchemyError as e:
             # The records stay in the DHT for minutes: the next poll catches up.
-            logger.warning("database unavailable, will retry at the next poll: %s", e)
+            logger.warning("database unavailable, will retry at the next poll: %s", getattr(e, "orig", None) or e)
             return
         if denylist is not None:
             publish_denylist(dht, self.config.run_id, self.signature, denylist)

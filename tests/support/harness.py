@@ -115,9 +115,21 @@ class Deployment:
                         "--checkpoints", json.dumps(checkpoints))
         assert done.returncode == 0, done.stderr
 
-    def start_portal(self) -> None:
+    def start_portal(self, wait: bool = True) -> None:
         self.start("portal", "-m", "app.cli", "serve")
+        if wait:
+            self.wait_for_portal()
+
+    def wait_for_portal(self) -> None:
         wait_for(lambda: httpx.get(f"{self.url}/healthz").status_code == 200, 60, "the portal")
+
+    def start_servers(self) -> list[str]:
+        """The portal and the run's coordinator, started together (neither waits for the other; the coordinator
+        works from the database); returns the coordinator's addresses once the portal offers them."""
+        self.start_portal(wait=False)
+        self.start_coordinator()
+        self.wait_for_portal()
+        return self.wait_for_coordinator()
 
     def start_coordinator(self, name: str = "coordinator") -> subprocess.Popen:
         proc = self.start(name, "-m", "app.cli", "coordinator", "--run", self.slug)
@@ -127,10 +139,19 @@ class Deployment:
         return wait_for(lambda: self.get(f"/api/v1/runs/{self.slug}/join")["initial_peers"], 90, "a coordinator")
 
     def credential(self, username: str) -> str:
-        """A worker API credential for ``username`` (signed up on first use), as an operator issues one."""
-        done = self.cli("issue-credential", username)
-        assert done.returncode == 0, done.stderr
-        return done.stdout.strip()
+        """A worker API credential for ``username`` (signed up on first use), as ``dedloc issue-credential`` issues
+        one (the demo runs that command), here in the test's process: a CLI process per worker cost seconds."""
+        from app.identity.accounts import issue_credential, sign_in_locally
+
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                user = sign_in_locally(session, username=username)
+                secret = issue_credential(session, user_id=user.id, client_name="dedloc issue-credential")
+                session.commit()
+                return secret
+        finally:
+            engine.dispose()
 
     def start_worker(self, username: str, *extra: str, script: list[str] = ("-m", "dedloc_worker")):
         """Start ``dedloc-worker join`` for ``username`` (``script`` replaces ``-m dedloc_worker``)."""
@@ -151,9 +172,7 @@ class Deployment:
         parameters part for good (state averaging pulls them close, never equal): a real run has one founder.
         """
         self.create_run(target_batch_size=2048)
-        self.start_portal()
-        self.start_coordinator()
-        self.wait_for_coordinator()
+        self.start_servers()
         first, *others = workers
         self.start_worker(first, *worker_args)
         wait_for(lambda: self.swarm()["epoch"] >= 1, 90, f"{first} to take the first step")

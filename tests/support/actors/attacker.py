@@ -1,9 +1,11 @@
 """An attacker against a running swarm, in its own process: it tries every kind of call on one victim peer and
-prints, as JSON, what each returned: "refused", or "reached" when the victim's handler answered.
+prints, as JSON, what each returned ("refused", or "reached" when the victim's handler answered) and how many
+attempts it made.
 
-    python tests/support/actors/attacker.py VICTIM_MULTIADDR RUN_ID KEY_FILE [--token FILE]
+    python tests/support/actors/attacker.py VICTIM_MULTIADDR RUN_ID KEY_FILE [--token FILE] [--attempts N]
 
-KEY_FILE holds the attacker's RSA private key (DER); --token a serialized AccessToken (absent: no token at all).
+KEY_FILE holds the attacker's RSA private key (DER); --token a serialized AccessToken (absent: no token at all);
+--attempts how many times it calls, at most (it stops once every call reached its handler).
 """
 
 from __future__ import annotations
@@ -28,10 +30,11 @@ from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.timed_storage import get_dht_time
 
-# Seconds a caller waits after its token is in the DHT: a few of the victims' admission rounds (1 s apart, each a
-# few DHT calls and, every 5 s, a request for the portal's denylist); 3 s once left the control refused in a suite.
-ADMISSION_WAIT = 6.0
-RETRIES = 2
+# A victim holds an unknown caller's call for its NEWCOMER_GRACE (6 s) while its keeper reads the tokens, so the
+# first calls go out at once. A caller refused publishes its token again and waits this long before its next attempt
+# (a few of the victims' admission rounds, 1 s apart): in full suite runs the control was once refused at first.
+ADMISSION_WAIT = 4.0
+ATTEMPTS = 3
 
 
 class CarriesAnyToken(TokenAuthorizerBase):
@@ -65,7 +68,7 @@ async def outcome(call) -> str:
     return "refused" if result is None else "reached"
 
 
-def probe(victim: str, run_id: str, key: RSAPrivateKey, token: AccessToken | None) -> dict:
+def probe(victim: str, run_id: str, key: RSAPrivateKey, token: AccessToken | None, attempts: int) -> dict:
     folder = Path(tempfile.mkdtemp(prefix="dedloc-attacker-"))
     identity = PeerIdentity(folder, key)
     authorizer = CarriesAnyToken(token, key) if token is not None else None
@@ -80,18 +83,16 @@ def probe(victim: str, run_id: str, key: RSAPrivateKey, token: AccessToken | Non
             deadline = time.monotonic() + 10
             while token not in read_tokens(dht, run_id) and time.monotonic() < deadline:
                 time.sleep(0.5)
-        time.sleep(ADMISSION_WAIT)
         results = dht.run_coroutine(functools.partial(dht_calls, victim_id=victim_id, run_id=run_id))
         results.update(asyncio.run(averaging_calls(dht, victim_id, run_id)))
-        # A caller with a token gets a few more admission rounds, its token published again before each (in full
-        # suite runs the control was refused after one wait, never alone); an invalid token is refused every time.
-        for _ in range(RETRIES):
-            if token is None or all(result == "reached" for result in results.values()):
-                break
-            publish_token(dht, run_id, signature, token)
+        made = 1
+        while made < attempts and not all(result == "reached" for result in results.values()):
+            if token is not None:
+                publish_token(dht, run_id, signature, token)
             time.sleep(ADMISSION_WAIT)
             results.update(asyncio.run(averaging_calls(dht, victim_id, run_id)))
-        return results
+            made += 1
+        return {"calls": results, "attempts": made}
     finally:
         dht.shutdown()
         shutil.rmtree(folder, ignore_errors=True)
@@ -146,9 +147,10 @@ def main() -> None:
     parser.add_argument("run_id")
     parser.add_argument("key_file", type=Path)
     parser.add_argument("--token", type=Path)
+    parser.add_argument("--attempts", type=int, default=ATTEMPTS)
     args = parser.parse_args()
     token = AccessToken.FromString(args.token.read_bytes()) if args.token else None
-    print(json.dumps(probe(args.victim, args.run_id, load_key(args.key_file), token)), flush=True)
+    print(json.dumps(probe(args.victim, args.run_id, load_key(args.key_file), token, args.attempts)), flush=True)
 
 
 if __name__ == "__main__":
