@@ -51,7 +51,7 @@ def local_epoch(text: str) -> int:
     return int(found[-1]) if found else -1
 
 
-def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.5):
+def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.25):
     """Poll ``check`` until it returns something truthy; fail the test with ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     while True:
