@@ -143,13 +143,13 @@ def train(
                 # Paused: keep the swarm connection, train nothing; the round of the last epoch may still end
                 # and its claim be published (below), so the pause holds no credit back.
                 stop.wait(watch.interval)
-            elif aux:
-                paused = resumed(paused)
-                opt.step()  # joins the round when the swarm is ready for one
-                stop.wait(AUX_POLL)
             else:
                 paused = resumed(paused)
-                mini_step(task, config, opt, tally, scaler)
+                if aux:
+                    opt.step()  # joins the round when the swarm is ready for one
+                    stop.wait(AUX_POLL)
+                else:
+                    mini_step(task, config, opt, tally, scaler)
             opt.collect_rounds()
             while opt.finished_epochs:
                 unsettled.append(close_epoch(tally, opt.finished_epochs.pop(0)))  # its round's receipts come next
