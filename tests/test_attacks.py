@@ -49,7 +49,7 @@ def outcome_of(deployment, name: str) -> dict:
 
 def test_no_token_forged_expired_stolen_or_banned_gets_nothing_and_a_killed_peer_leaves_a_survivor(deployment):
     deployment.start_swarm(["alice", "bob"], "--max-epochs", "60")
-    # the victim is alice, training since the first step; the attacks run while bob joins
+    # the victim is alice, training since she founded the run; the attacks run while bob joins
     victim = wait_for(deployment.worker_addresses, 30, "a worker address")[0]
 
     settings = Settings(data_dir=deployment.workdir / "var")

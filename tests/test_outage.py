@@ -51,7 +51,7 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     deployment.wait_for_coordinator()
     wait_for(lambda: "listening at" in second_log.read_text(), 60, "the second coordinator")
     deployment.start_worker("alice", "--max-epochs", "60")
-    wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")
+    deployment.wait_for_founder("alice")
     deployment.start_worker("bob", "--max-epochs", "60")
     deployment.start_worker("dave", "--aux", "--max-epochs", "60")
     wait_for(lambda: deployment.swarm()["peers_online"] >= 2, 90, "both trainers online")

@@ -73,7 +73,7 @@ def test_a_worker_waits_for_a_coordinator_with_backoff_and_joins_when_one_is_up(
 
     deployment.start_coordinator()
     wait_for(lambda: "joining run 'test'" in log(deployment, "alice"), 120, "alice to join")
-    wait_for(lambda: deployment.swarm()["epoch"] >= 1, 120, "alice to take the first step")
+    deployment.wait_for_founder("alice", timeout=120)
     deployment.start_worker("bob")
     up = wait_for(lambda: (lambda s: s if s["peers"]["online"] == 2 else None)(status(deployment)), 120,
                   "both workers online")

@@ -46,11 +46,11 @@ def deployment(internet, tmp_path_factory, output_dir):
 
 @pytest.fixture(scope="module")
 def swarm(deployment, internet):
-    """The run, portal and coordinator; olga on the open host takes the first step, then hana joins from home."""
+    """The run, portal and coordinator; olga on the open host founds it, then hana joins from home."""
     deployment.create_run(target_batch_size=2048)
     deployment.start_servers()
     start_worker_on(deployment, internet, "open", "olga")
-    wait_for(lambda: deployment.swarm()["epoch"] >= 1, 150, "olga to take the first step")
+    deployment.wait_for_founder("olga", timeout=150)
     start_worker_on(deployment, internet, "home", "hana")
     return deployment
 

@@ -73,7 +73,7 @@ def test_a_swarm_trains_albert_and_a_checkpoint_loads_with_from_pretrained(run, 
     from dedloc_worker.tasks.hf import MaskedLM
 
     run.start_worker("alice")
-    wait_for(lambda: run.swarm()["epoch"] >= 1, 180, "alice to take the first step")
+    run.wait_for_founder("alice", timeout=180)
     run.start_worker("bob")
     wait_for(lambda: run.swarm()["peers_online"] >= 2, 180, "bob to train with alice")
     together = run.swarm()["epoch"]

@@ -208,7 +208,7 @@ def test_a_worker_sending_flipped_gradients_is_held_by_a_spot_check_and_an_hones
     deployment.create_run(target_batch_size=1024, checkpoints={"spot_check_rate": 0.0})
     deployment.start_servers()
     deployment.start_worker("alice")
-    wait_for(lambda: deployment.swarm()["epoch"] >= 1, 90, "alice to take the first step")
+    deployment.wait_for_founder("alice")
     deployment.start_worker("mallory", script=[str(FLIPPER)])
     wait_for(lambda: "mallory" in deployment.credited_by_user(), 90, "mallory to train", interval=1.0)
     set_spot_check_rate(deployment, 1.0)

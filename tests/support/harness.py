@@ -166,18 +166,21 @@ class Deployment:
         return proc
 
     def start_swarm(self, workers: list[str], *worker_args: str) -> None:
-        """A fresh run; the first worker takes the first step alone, the others join late and load its state.
-
-        Started together, fresh peers each take epoch 0 alone before they find each other, and their
-        parameters part for good (state averaging pulls them close, never equal): a real run has one founder.
-        """
+        """A fresh run; the first worker founds it, the others join once it trains (``wait_for_founder``)."""
         self.create_run(target_batch_size=2048)
         self.start_servers()
         first, *others = workers
         self.start_worker(first, *worker_args)
-        wait_for(lambda: self.swarm()["epoch"] >= 1, 90, f"{first} to take the first step")
+        self.wait_for_founder(first)
         for name in others:
             self.start_worker(name, *worker_args)
+
+    def wait_for_founder(self, name: str, timeout: float = 90) -> None:
+        """Until the run's first worker trains, seen by the coordinator: a worker started from then on finds its
+        progress record, so it trains epoch 0 with it (every peer builds the same initial model from the run's
+        seed) or, later, loads its state. Started together, fresh peers can each take epoch 0 alone before they
+        find each other, and their parameters part for good (state averaging pulls them close, never equal)."""
+        wait_for(lambda: self.swarm()["peers_online"] >= 1, timeout, f"{name} to train")
 
     def worker_addresses(self) -> list[str]:
         """Multiaddrs (with /p2p/ID) of workers the coordinator saw lately."""
