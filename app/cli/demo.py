@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 import threading
 import time
@@ -79,12 +78,14 @@ def wait_until(check, timeout: float, what: str, started, done: threading.Event)
         raise DedlocError(f"{what} did not come up within {timeout:.0f} s; see the messages above")
 
 
-def issue_credential(py: str, username: str) -> str:
-    """A worker credential for a local volunteer, as an operator issues one for a headless machine."""
-    done = subprocess.run([py, "-m", "app.cli", "issue-credential", username], capture_output=True, text=True)
-    if done.returncode != 0:
-        raise DedlocError(f"could not issue a credential for {username}: {done.stderr.strip()}")
-    return done.stdout.strip()
+def issue_credentials(settings: Settings, usernames: list[str]) -> dict[str, str]:
+    """Worker credentials for the local volunteers, as an operator issues one for a headless machine
+    (``dedloc issue-credential``)."""
+    from app.core.database import one_session
+    from app.identity.accounts import issue_headless_credential
+
+    with one_session(settings.resolved_database_url, migrate_first=False) as session:
+        return {name: issue_headless_credential(session, name) for name in usernames}
 
 
 def port_free(host: str, port: int) -> bool:
@@ -112,14 +113,15 @@ def run_demo(settings: Settings, workers: int) -> None:
         wait_until(lambda: httpx.get(f"{url}/api/v1/runs/{DEMO_RUN}/join").json()["initial_peers"], 60,
                    "the portal and the coordinator", started, done)
         print(f"\n  dedloc demo is running: open {url}/runs/{DEMO_RUN}\n  Ctrl-C stops everything.\n", flush=True)
+        credentials = issue_credentials(settings, VOLUNTEERS[:workers])
         for index, name in enumerate(VOLUNTEERS[:workers] if not done.is_set() else []):
-            credential = issue_credential(py, name)
             # One thread each: the local workers share this machine's cores with the portal and the coordinator.
             started.append(spawn([py, "-m", "dedloc_worker", "join", url, "--run", DEMO_RUN, "--threads", "1",
-                                  "--listen", "/ip4/127.0.0.1/tcp/0"], env={CREDENTIAL_ENV: credential}))
-            if index == 0:  # one founder takes the first step; the others load its state (docs/hivemind.md)
-                wait_until(lambda: httpx.get(f"{url}/api/v1/runs/{DEMO_RUN}/swarm").json()["epoch"] >= 1, 120,
-                           "the first training step", started, done)
+                                  "--listen", "/ip4/127.0.0.1/tcp/0"], env={CREDENTIAL_ENV: credentials[name]}))
+            # One founder; the others start once it trains, and find it (docs/hivemind.md#state-checkpoints-and-resume).
+            if index == 0:
+                wait_until(lambda: httpx.get(f"{url}/api/v1/runs/{DEMO_RUN}/swarm").json()["peers_online"] >= 1,
+                           120, "the first worker's training", started, done)
         while not done.wait(1.0):
             check_alive(started)
     finally:

@@ -147,13 +147,10 @@ def open_session(settings: Settings):
 
 
 def cmd_issue_credential(args, settings: Settings) -> None:
-    from app.identity.accounts import issue_credential, sign_in_locally
+    from app.identity.accounts import issue_headless_credential
 
     with open_session(settings) as session:
-        user = sign_in_locally(session, username=args.username)
-        secret = issue_credential(session, user_id=user.id, client_name="dedloc issue-credential")
-        session.commit()
-    print(secret)
+        print(issue_headless_credential(session, args.username))
 
 
 def cmd_ban(args, settings: Settings) -> None:

@@ -41,7 +41,6 @@ from app.coordinator.summary import PeerSeen, summarize
 logger = logging.getLogger("dedloc.coordinator")
 # Worker addresses remembered for a restart; a few reachable ones are enough to rejoin the swarm.
 MAX_KNOWN_PEERS = 16
-BOOTSTRAP_ATTEMPTS = 2  # then start alone and call the known workers from the poll loop
 
 
 def announced_maddrs(announce: list[str], listen: str | None) -> list[str]:
@@ -217,14 +216,12 @@ class CoordinatorNode:
             # (hivemind's default too; dedloc_worker.swarm.relay_options, docs/hivemind.md#relays).
             use_relay=True,
         )
-        for attempt in range(BOOTSTRAP_ATTEMPTS if known else 0):
+        if known:
             try:
                 return start(known)
-            except P2PDaemonError as e:  # busy or restarting workers: try again before starting alone
-                logger.warning("bootstrap from workers seen before failed (%s); retrying", e)
-                time.sleep(2.0)
-        if known:
-            logger.warning("none of the %d workers seen before answered; starting a new swarm", len(known))
+            except P2PDaemonError as e:  # all gone, or busy: the poll loop calls them again while it sees nobody
+                logger.warning("none of the %d workers seen before answered (%s); starting a new swarm and calling "
+                               "them again while nobody trains", len(known), e)
         return start([])
 
     def poll_once(self, dht) -> None:

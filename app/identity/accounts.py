@@ -78,6 +78,15 @@ def issue_credential(session: Session, *, user_id: int, client_name: Optional[st
     return secret
 
 
+def issue_headless_credential(session: Session, username: str) -> str:
+    """``dedloc issue-credential``: a worker credential for ``username`` (signed up on first use), for a machine
+    that cannot open a browser; committed."""
+    user = sign_in_locally(session, username=username)
+    secret = issue_credential(session, user_id=user.id, client_name="dedloc issue-credential")
+    session.commit()
+    return secret
+
+
 def authenticate(session: Session, secret: str, lifetime: float = 0.0) -> User:
     """The user holding ``secret``; ``Unauthorized`` when it is unknown, revoked, or older than ``lifetime``
     seconds (0: no limit)."""

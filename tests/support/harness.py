@@ -25,7 +25,7 @@ from sqlalchemy import func, select
 
 from dedloc_worker.join import CREDENTIAL_ENV
 
-from app.core.database import make_engine, make_sessionmaker
+from app.core.database import make_engine, make_sessionmaker, one_session
 from app.models import Contribution
 from app.core.processes import kill_group, spawn, stop
 from app.core.processes import tagged_processes as processes_tagged
@@ -139,19 +139,12 @@ class Deployment:
         return wait_for(lambda: self.get(f"/api/v1/runs/{self.slug}/join")["initial_peers"], 90, "a coordinator")
 
     def credential(self, username: str) -> str:
-        """A worker API credential for ``username`` (signed up on first use), as ``dedloc issue-credential`` issues
-        one (the demo runs that command), here in the test's process: a CLI process per worker cost seconds."""
-        from app.identity.accounts import issue_credential, sign_in_locally
+        """A worker API credential for ``username``, as ``dedloc issue-credential`` issues one, in this process: a
+        CLI process per worker cost seconds."""
+        from app.identity.accounts import issue_headless_credential
 
-        engine = make_engine(self.database_url)
-        try:
-            with make_sessionmaker(engine)() as session:
-                user = sign_in_locally(session, username=username)
-                secret = issue_credential(session, user_id=user.id, client_name="dedloc issue-credential")
-                session.commit()
-                return secret
-        finally:
-            engine.dispose()
+        with one_session(self.database_url, migrate_first=False) as session:
+            return issue_headless_credential(session, username)
 
     def start_worker(self, username: str, *extra: str, script: list[str] = ("-m", "dedloc_worker")):
         """Start ``dedloc-worker join`` for ``username`` (``script`` replaces ``-m dedloc_worker``)."""
