@@ -120,9 +120,10 @@ def _join(args, stop, folder: Path, placement):
         keeper = AdmissionKeeper(dht, config.run_id, state, check, signature, lambda: refresh().token, stop,
                                  coordinators=coordinators, portal_denylist=denylist)
         keeper.start()
-        # Peers must know our token before our first all-reduce part reaches them, and we theirs.
+        # Peers must know our token before our first call reaches them (they read tokens every keeper interval),
+        # and we theirs: training waits an interval from here, which building its optimizer mostly covers.
         keeper.ready.wait(timeout=15)
-        time.sleep(keeper.interval)
+        admitted_at = time.monotonic() + keeper.interval
         # The link again every few minutes, in a thread of its own, right after a round where it can
         meter = LinkMeter(lambda: measure_link(args.portal, args.run, credential))
         meter.start()
@@ -137,7 +138,7 @@ def _join(args, stop, folder: Path, placement):
         with ProgressDisplay() as display:
             result = train(dht, config, task, username, stop, signature, args.max_epochs, client_mode,
                            display.update, receipts, follower, args.aux, hardware=placement.description,
-                           watch=watch, resume=resume, reachability=reachability)
+                           watch=watch, resume=resume, reachability=reachability, admitted_at=admitted_at)
         if keeper.failure:
             raise AdmissionError(keeper.failure)
         result.username, result.peer_id = username, identity.peer_id

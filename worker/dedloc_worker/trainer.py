@@ -94,6 +94,7 @@ def train(
     watch=None,
     resume: Optional[dict] = None,
     reachability: str = "",
+    admitted_at: float = 0.0,
 ) -> TrainingResult:
     """Train until ``stop`` is set or the collaboration reaches ``max_epochs``; always leaves the swarm.
 
@@ -105,6 +106,7 @@ def train(
     :param watch: a ``portal.RunWatch``: the run's state (paused, finished) as the portal says it now
     :param resume: a checkpoint's training state to start from (``checkpoints.read_state``)
     :param reachability: how this peer's mode was decided (``contract.REACHABILITY``), for its metrics record
+    :param admitted_at: ``time.monotonic()`` from which peers know this peer's token: no call to them before it
     :returns: this peer's contributions (samples per epoch it took part in) and its final parameters
     """
     addrs = [] if client_mode else [str(addr) for addr in dht.get_visible_maddrs()]
@@ -112,6 +114,7 @@ def train(
     opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode, aux=aux, receipts=receipts)
     if resume is not None:
         restore(opt, resume)
+    time.sleep(max(0.0, admitted_at - time.monotonic()))
     scaler = grad_scaler(task)
     contributions: deque = deque(maxlen=RECENT_EPOCHS_KEPT)
     every_contribution: List[EpochContribution] = []
