@@ -11,7 +11,21 @@ import pytest
 
 from dedloc_worker.join import CREDENTIAL_ENV
 
-from tests.support.harness import free_port
+from tests.support.harness import Deployment, free_port
+
+PLUGIN_RUN = "plugin"  # a run whose task no worker can load
+
+
+@pytest.fixture(scope="module")
+def portal(tmp_path_factory, output_dir):
+    """One portal for the worker's refusals: run 'test', with no coordinator, and run 'plugin'."""
+    workdir = tmp_path_factory.mktemp("cli")
+    deployment = Deployment(workdir, output_dir / "logs" / "test_cli")
+    deployment.create_run()
+    assert deployment.cli("create-run", PLUGIN_RUN, "--task", "no_such_plugin:Task").returncode == 0
+    deployment.start_portal()
+    yield deployment
+    deployment.close()
 
 
 def run(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
@@ -39,29 +53,23 @@ def test_worker_asked_for_a_gpu_it_lacks_says_so_in_one_line():
     assert "--device cuda: this machine has no CUDA GPU" in one_line(done.stderr)
 
 
-def test_worker_with_an_unknown_run(deployment):
-    deployment.create_run()
-    deployment.start_portal()
-    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", "no-such-run")
+def test_worker_with_an_unknown_run(portal):
+    done = run("-m", "dedloc_worker", "join", portal.url, "--run", "no-such-run")
     assert done.returncode == 2
     assert "has no run named 'no-such-run'" in one_line(done.stderr)
 
 
-def test_worker_without_a_coordinator_gives_up_with_a_reason(deployment):
-    deployment.create_run()
-    deployment.start_portal()
-    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", deployment.slug, "--wait", "1",
-               env={CREDENTIAL_ENV: deployment.credential("alice")})
+def test_worker_without_a_coordinator_gives_up_with_a_reason(portal):
+    done = run("-m", "dedloc_worker", "join", portal.url, "--run", portal.slug, "--wait", "1",
+               env={CREDENTIAL_ENV: portal.credential("alice")})
     assert done.returncode == 3
     last = done.stderr.splitlines()[-1]
     assert "no coordinator of run 'test' has started yet" in last and "gave up after 1 s (--wait)" in last, last
 
 
-def test_worker_given_a_task_it_cannot_load_says_so_in_one_line(deployment):
-    assert deployment.cli("create-run", deployment.slug, "--task", "no_such_plugin:Task").returncode == 0
-    deployment.start_portal()
-    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", deployment.slug, "--wait", "1",
-               env={CREDENTIAL_ENV: deployment.credential("alice")})
+def test_worker_given_a_task_it_cannot_load_says_so_in_one_line(portal):
+    done = run("-m", "dedloc_worker", "join", portal.url, "--run", PLUGIN_RUN, "--wait", "1",
+               env={CREDENTIAL_ENV: portal.credential("alice")})
     assert done.returncode == 2
     assert "cannot load task 'no_such_plugin:Task'" in one_line(done.stderr)
 
@@ -137,20 +145,16 @@ def test_demo_refuses_a_taken_port(tmp_path):
     assert f"port {port} on 127.0.0.1 is taken" in one_line(done.stderr)
 
 
-def test_worker_with_a_revoked_credential_is_told_to_log_in_again(deployment):
-    deployment.create_run()
-    deployment.start_portal()
-    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", deployment.slug,
+def test_worker_with_a_revoked_credential_is_told_to_log_in_again(portal):
+    done = run("-m", "dedloc_worker", "join", portal.url, "--run", portal.slug,
                env={CREDENTIAL_ENV: "dedloc_not-a-credential"})
     assert done.returncode == 6
     assert "dedloc-worker login" in one_line(done.stderr)
 
 
-def test_a_banned_user_is_refused_a_token_with_the_reason(deployment):
-    deployment.create_run()
-    deployment.start_portal()
-    credential = deployment.credential("mallory")
-    assert deployment.cli("ban", deployment.slug, "mallory", "--reason", "spam").returncode == 0
-    done = run("-m", "dedloc_worker", "join", deployment.url, "--run", deployment.slug, env={CREDENTIAL_ENV: credential})
+def test_a_banned_user_is_refused_a_token_with_the_reason(portal):
+    credential = portal.credential("mallory")
+    assert portal.cli("ban", portal.slug, "mallory", "--reason", "spam").returncode == 0
+    done = run("-m", "dedloc_worker", "join", portal.url, "--run", portal.slug, env={CREDENTIAL_ENV: credential})
     assert done.returncode == 6
     assert "mallory is banned from run 'test'" in one_line(done.stderr)
