@@ -110,10 +110,14 @@ class Deployment:
         # No checkpoints and no spot checks: a state download every few epochs is cores these tests need for their
         # rounds (tests/test_real_models.py checks checkpoints, tests/test_spot_checks.py spot checks, on their own).
         checkpoints = {"every_epochs": 10**6, "spot_check_rate": 0.0, **(checkpoints or {})}
-        done = self.cli("create-run", self.slug, "--target-batch-size", str(target_batch_size),
-                        "--batch-size", str(batch_size), "--optimizer", json.dumps(options),
-                        "--checkpoints", json.dumps(checkpoints))
-        assert done.returncode == 0, done.stderr
+        # What `dedloc create-run` does (migrate, then the registry's checks), in this process: a CLI process cost
+        # seconds of start-up (tests/test_cli.py runs the command).
+        from app.runs import registry
+
+        (self.workdir / "var").mkdir(parents=True, exist_ok=True)
+        with one_session(self.database_url) as session:
+            registry.create_run(session, slug=self.slug, title=self.slug, target_batch_size=target_batch_size,
+                                batch_size=batch_size, optimizer=options, checkpoints=checkpoints)
 
     def start_portal(self, wait: bool = True) -> None:
         self.start("portal", "-m", "app.cli", "serve")
