@@ -5,11 +5,17 @@ an archive the portal serves; the last one of a run that reached its target is m
 It is a peer of the swarm under the coordinator's own service token: hivemind's ``TrainingStateAverager`` with the
 run's optimizer, the same prefix as the workers' and state sharing off, so it never hands its (older) state to a
 joiner. The download runs in its own thread; the poll loop only says which epoch the swarm is at. The spot checker
-(``spot_checker``) downloads through the same averager, under ``lock``."""
+(``spot_checker``) downloads through the same averager, under ``lock``.
+
+The task's model and the averager are built when the first checkpoint is due or the spot checker first needs them,
+not at start: they cost seconds of CPU (the model, a process, and torch importing its compiler for the optimizer)
+that a coordinator starting beside its swarm's first workers would take from them. They are built in the poll loop's
+thread, the main one: hivemind starts an averager's process only from there (it sets a signal handler)."""
 
 from __future__ import annotations
 
 import logging
+import signal
 import threading
 import time
 from pathlib import Path
@@ -18,6 +24,7 @@ from typing import Callable, Optional
 from dedloc_common.contract import CheckpointOptions, RunConfig
 from dedloc_common.tasks import run_files
 from dedloc_worker.checkpoints import write_archive
+from dedloc_worker.errors import WorkerError
 from dedloc_worker.swarm import inner_optimizer, scheduler_factory
 from dedloc_worker.tasks import build_task
 
@@ -35,22 +42,12 @@ class Checkpointer(threading.Thread):
     def __init__(self, dht, config: RunConfig, options: CheckpointOptions, data_dir: Path, sessions,
                  on_saved: Callable[[int, bool], None] = lambda epoch, final: None):
         super().__init__(name="dedloc-checkpointer", daemon=True)
-        self.config, self.options, self.data_dir, self.sessions = config, options, Path(data_dir), sessions
+        self.dht, self.config, self.options, self.sessions = dht, config, options, sessions
+        self.data_dir = Path(data_dir)
         self.on_saved = on_saved
-        paths = {name: files.path_of(data_dir, config.slug, name) for name in run_files(config.task,
-                                                                                            config.task_options)}
-        self.task = build_task(config, paths)
-        opt = config.optimizer
-        from app.coordinator.state_download import PeerStateAverager
-
-        self.averager = PeerStateAverager(
-            dht=dht, prefix=f"{config.run_id}_state_averager", params=self.task.model.parameters(),
-            optimizer=inner_optimizer(opt), scheduler=scheduler_factory(opt),
-            # As hivemind.Optimizer builds the workers' (offloaded optimizer): the state has the same tensors.
-            offload_optimizer=True, custom_gradients=True, allow_state_sharing=False,
-            # A download's chunks may take a while on a slow link; hivemind's default would be the request timeout.
-            next_chunk_timeout=CHUNK_TIMEOUT, start=True,
-        )
+        self.task = self.averager = None  # built by ``prepare`` once needed
+        self.failure: Optional[str] = None  # why they could not be: no checkpoints then
+        self.wanted = False  # a download found them not built yet: the next ``offer`` builds them
         with sessions() as session:
             newest = store.latest(session, self._run(session))
             self.saved_epoch = newest.epoch if newest is not None else -1
@@ -63,12 +60,16 @@ class Checkpointer(threading.Thread):
         self._wake, self._halt = threading.Event(), threading.Event()
 
     def offer(self, epoch: int) -> None:
+        """The swarm's epoch, from the poll loop (the main thread)."""
         self.swarm_epoch = max(self.swarm_epoch, epoch)
-        if self.due():
+        if self.due() or self.wanted:
+            self.prepare()
             self._wake.set()
 
     def finish(self, target_epoch: int) -> None:
+        """The run reached its target, from the poll loop (the main thread)."""
         self.final_epoch = target_epoch
+        self.prepare()
         self._wake.set()
 
     def due(self) -> bool:
@@ -83,7 +84,7 @@ class Checkpointer(threading.Thread):
         while not self._halt.is_set():
             self._wake.wait(timeout=5.0)
             self._wake.clear()
-            if self._halt.is_set():
+            if self._halt.is_set() or self.failure is not None:
                 break
             if self.final_epoch is not None and not self.final_saved:
                 self.final_saved = self.save(final=True) is not None
@@ -97,11 +98,50 @@ class Checkpointer(threading.Thread):
     def shutdown(self) -> None:
         self.halt()
         self.join(timeout=DOWNLOAD_TIMEOUT + 10)
-        self.averager.shutdown()
+        if self.averager is not None:
+            self.averager.shutdown()
+
+    def built(self) -> bool:
+        """Whether the task and the averager are built (hold ``lock``); when not, the next ``offer`` builds them."""
+        if self.averager is None and self.failure is None:
+            self.wanted = True
+        return self.averager is not None
+
+    def prepare(self) -> None:
+        """Build the task and the averager, in the main thread, if not yet; a task that cannot be built here is said
+        once, and then there are no checkpoints."""
+        if self.averager is not None or self.failure is not None:
+            return
+        config, opt = self.config, self.config.optimizer
+        paths = {name: files.path_of(self.data_dir, config.slug, name)
+                 for name in run_files(config.task, config.task_options)}
+        with self.lock:
+            try:
+                task = build_task(config, paths)
+            except (WorkerError, OSError) as e:
+                self.failure = str(e)
+                print(f"no checkpoints for run {config.slug!r}: {e}", flush=True)
+                return
+            from app.coordinator.state_download import PeerStateAverager
+
+            on_interrupt = signal.getsignal(signal.SIGINT)
+            self.averager = PeerStateAverager(
+                dht=self.dht, prefix=f"{config.run_id}_state_averager", params=task.model.parameters(),
+                optimizer=inner_optimizer(opt), scheduler=scheduler_factory(opt),
+                # As hivemind.Optimizer builds the workers' (offloaded optimizer): the state has the same tensors.
+                offload_optimizer=True, custom_gradients=True, allow_state_sharing=False,
+                # A download's chunks may take a while on a slow link; hivemind's default would be the request
+                # timeout.
+                next_chunk_timeout=CHUNK_TIMEOUT, start=True,
+            )
+            signal.signal(signal.SIGINT, on_interrupt)  # starting an averager ignores Ctrl-C in its caller
+            self.task, self.wanted = task, False
 
     def download(self) -> int:
         """Download the collaboration's newest state (hold ``lock``); the epoch of the state held, -1 when no
         download has succeeded yet."""
+        if not self.built():
+            return self.held_epoch
         before = self.averager.local_epoch
         try:
             self.averager.load_state_from_peers(timeout=DOWNLOAD_TIMEOUT)
@@ -114,6 +154,8 @@ class Checkpointer(threading.Thread):
     def download_from(self, peer_id: str) -> Optional[tuple[int, list]]:
         """(epoch, parameters) of the state ``peer_id`` serves, in the model's parameter order, leaving the held
         state as it is (hold ``lock``); None when that peer serves none or the download failed."""
+        if not self.built():
+            return None
         try:
             served = self.averager.download_from(peer_id, timeout=CHUNK_TIMEOUT)
         except Exception as e:  # a peer that left, or one in client mode (it serves nothing)

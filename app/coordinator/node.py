@@ -16,7 +16,6 @@ from hivemind.utils import get_dht_time
 from dedloc_common.cleanup import end_descendants
 from dedloc_worker.admission import AdmissionState, RunAuthorizer, TokenCheck, guard_handlers, to_access_token
 from dedloc_worker.keeper import AdmissionKeeper
-from dedloc_worker.errors import WorkerError
 from dedloc_worker.identity import persistent_key
 from dedloc_common.contract import AckRecord
 from dedloc_worker.records import (TOKEN_RECORD_TTL, add_record_validators, metrics_ttl, publish_acks,
@@ -144,7 +143,8 @@ class CoordinatorNode:
             shutil.rmtree(folder, ignore_errors=True)
 
     def _start_checkpointer(self, dht):
-        """The run's checkpointer, or None (with the reason, once) when this run's task cannot be saved here."""
+        """The run's checkpointer; it builds its model at the first checkpoint or spot check due, and says there
+        when this run's task cannot be saved here."""
         import torch
         from dedloc_common.contract import CheckpointOptions
 
@@ -155,28 +155,15 @@ class CoordinatorNode:
         torch.set_num_threads(1)
         with self.sessions() as session:
             options = CheckpointOptions(**(registry.get_run(session, self.run.slug).checkpoints or {}))
-        try:
-            checkpointer = Checkpointer(dht, self.config, options, self.settings.data_dir, self.sessions,
-                                        on_saved=self._saved)
-        except (WorkerError, OSError) as e:
-            print(f"no checkpoints for run {self.run.slug!r}: {e}", flush=True)
-            return None
+        checkpointer = Checkpointer(dht, self.config, options, self.settings.data_dir, self.sessions,
+                                    on_saved=self._saved)
         checkpointer.start()
         return checkpointer
 
     def _start_spot_checker(self):
-        """The run's spot checker (docs/spot-checks.md), or None when there is no checkpointer to download state
-        through or the task draws no data it can redraw."""
-        from dedloc_worker.spot_checks import checkable
-
+        """The run's spot checker (docs/spot-checks.md); it builds its model at the first pick."""
         from app.coordinator.spot_checker import SpotChecker
 
-        if self.checkpointer is None:
-            return None
-        if not checkable(self.checkpointer.task):
-            print(f"no spot checks for run {self.run.slug!r}: its task ({self.config.task}) does not draw its data "
-                  "from a seed it is given", flush=True)
-            return None
         checker = SpotChecker(self.checkpointer, self.sessions)
         checker.start()
         return checker

@@ -6,7 +6,8 @@ after the peer computed, so a peer cannot know which of its epochs will be check
 downloads that peer's own state through the checkpointer's averager (the parameters it computes on in that epoch),
 waits for the picked peers' claims of that epoch, redraws their batches (``dedloc_worker.spot_checks``) and compares.
 One pick waits at a time: a check costs one peer's epoch of compute and a state download, at most ``rate`` of the
-swarm's compute (docs/spot-checks.md)."""
+swarm's compute (docs/spot-checks.md). Its model is built at the first pick: a run at rate 0, or between picks, costs
+the coordinator nothing."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import time
 from typing import Optional
 
 from dedloc_common.tasks import run_files
-from dedloc_worker.spot_checks import recompute
+from dedloc_worker.spot_checks import checkable, recompute
 from dedloc_worker.tasks import build_task
 
 from app.credit.ledger import SignedMetrics
@@ -40,9 +41,7 @@ class SpotChecker(threading.Thread):
         super().__init__(name="dedloc-spot-checker", daemon=True)
         self.checkpointer, self.sessions = checkpointer, sessions
         self.config = checkpointer.config
-        paths = {name: files.path_of(checkpointer.data_dir, self.config.slug, name)
-                 for name in run_files(self.config.task, self.config.task_options)}
-        self.task = build_task(self.config, paths)  # its own model: the checkpointer's stays as downloaded
+        self.task = None  # its own model (the checkpointer's stays as downloaded), built by ``ready``
         self.rng = rng or random.SystemRandom()
         self.planned = -1  # the newest swarm epoch picks were drawn for
         # peer key -> (the epoch whose claim is checked, the parameters of that epoch, whose state they are)
@@ -102,7 +101,7 @@ class SpotChecker(threading.Thread):
         self.planned = epoch
         rate = self.checkpointer.options.spot_check_rate
         chosen = [peer_key for peer_key in training if self.rng.random() < rate]
-        if not chosen:
+        if not chosen or not self.ready():
             return
         from app.credit.settlement import owners
         from app.runs import registry
@@ -126,6 +125,29 @@ class SpotChecker(threading.Thread):
             self.planned = max(self.planned, *(at for at, _, _ in pending.values()))
             self.pending = pending
             self.deadline = time.monotonic() + CLAIM_WAIT
+
+    def ready(self) -> bool:
+        """Whether this checker can check now. Its first pick only asks the checkpointer to build its averager (in
+        the main thread, at the next poll), and builds the checker's own model; it stops, said once, where the
+        run's task cannot be checked."""
+        if self.task is not None:
+            return True
+        with self.checkpointer.lock:
+            built = self.checkpointer.built()
+        if not built:
+            if self.checkpointer.failure is not None:  # it said why
+                self.halt()
+            return False
+        paths = {name: files.path_of(self.checkpointer.data_dir, self.config.slug, name)
+                 for name in run_files(self.config.task, self.config.task_options)}
+        task = build_task(self.config, paths)
+        if not checkable(task):
+            print(f"no spot checks for run {self.config.slug!r}: its task ({self.config.task}) does not draw its "
+                  "data from a seed it is given", flush=True)
+            self.halt()
+            return False
+        self.task = task
+        return True
 
     def check(self, peer_key: str, claim, params: list, source: str) -> None:
         """Recompute ``claim`` with ``params`` (those of its epoch, from ``source``) and record the verdict."""
