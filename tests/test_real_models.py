@@ -130,3 +130,6 @@ def test_the_run_continues_to_its_target_and_finishes(run):
     late = run.start_worker("frank")
     assert late.wait(60) == 7
     assert "is finished" in (run.logs / "frank.log").read_text()
+    # Its checkpointer's averager once made the coordinator ignore Ctrl-C (hivemind sets SIGINT to "ignore" in the
+    # process that starts an averager): it stops on Ctrl-C, with the final checkpoint stored.
+    assert run.stop("coordinator", signal.SIGINT, grace=20) == 0, (run.logs / "coordinator.log").read_text()[-3000:]

@@ -103,9 +103,13 @@ class Checkpointer(threading.Thread):
 
     def built(self) -> bool:
         """Whether the task and the averager are built (hold ``lock``); when not, the next ``offer`` builds them."""
+        self.want()
+        return self.averager is not None
+
+    def want(self) -> None:
+        """Have the next ``offer`` build the task and the averager, if not yet."""
         if self.averager is None and self.failure is None:
             self.wanted = True
-        return self.averager is not None
 
     def prepare(self) -> None:
         """Build the task and the averager, in the main thread, if not yet; a task that cannot be built here is said

@@ -231,7 +231,7 @@ class CoordinatorNode:
                 credit_epochs(session, run, metrics)
                 acks = tokens.signed_acks(session, self.settings, run, self._acks_due(session, run, metrics))
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
-                self._offer_checkpoint(run, fields["epoch"])
+                self._offer_checkpoint(run, fields["epoch"], training=bool(peers))
                 if self.spot_checker is not None and run.state == "active":
                     self.spot_checker.offer(fields["epoch"], [p.peer_key for p in peers], metrics)
                 record_snapshot(session, self.run, **fields)
@@ -283,12 +283,14 @@ class CoordinatorNode:
         return {key: epoch for key, epoch in epochs.items()
                 if self.acked.get(key, (-1, 0.0))[0] < epoch or self.acked[key][1] < stale}
 
-    def _offer_checkpoint(self, run, epoch: int) -> None:
+    def _offer_checkpoint(self, run, epoch: int, training: bool) -> None:
         if self.checkpointer is None or run.state == "finished":
             return
         from dedloc_common.contract import CheckpointOptions
 
-        self.checkpointer.options = CheckpointOptions(**(run.checkpoints or {}))  # organizers change them live
+        options = self.checkpointer.options = CheckpointOptions(**(run.checkpoints or {}))  # changed live
+        if training and run.state == "active" and options.spot_check_rate > 0:
+            self.checkpointer.want()  # the spot checker's picks download through it: built here, once
         self.checkpointer.offer(epoch)
         if run.target_epochs is not None and epoch >= run.target_epochs:
             self.checkpointer.finish(run.target_epochs)
