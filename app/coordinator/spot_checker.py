@@ -6,8 +6,8 @@ after the peer computed, so a peer cannot know which of its epochs will be check
 downloads that peer's own state through the checkpointer's averager (the parameters it computes on in that epoch),
 waits for the picked peers' claims of that epoch, redraws their batches (``dedloc_worker.spot_checks``) and compares.
 One pick waits at a time: a check costs one peer's epoch of compute and a state download, at most ``rate`` of the
-swarm's compute (docs/spot-checks.md). Its model is built at the first pick: a run at rate 0, or between picks, costs
-the coordinator nothing."""
+swarm's compute (docs/spot-checks.md). Its model is built at the first pick: a run at rate 0 costs the coordinator
+nothing."""
 
 from __future__ import annotations
 
@@ -127,9 +127,9 @@ class SpotChecker(threading.Thread):
             self.deadline = time.monotonic() + CLAIM_WAIT
 
     def ready(self) -> bool:
-        """Whether this checker can check now. Its first pick only asks the checkpointer to build its averager (in
-        the main thread, at the next poll), and builds the checker's own model; it stops, said once, where the
-        run's task cannot be checked."""
+        """Whether this checker can check now: a pick made before the checkpointer's averager is built (the poll
+        loop builds it once peers train) is skipped; the first that finds it builds this checker's own model. It
+        stops, said once, where the run's task cannot be checked."""
         if self.task is not None:
             return True
         with self.checkpointer.lock:
