@@ -231,7 +231,7 @@ class CoordinatorNode:
                 credit_epochs(session, run, metrics)
                 acks = tokens.signed_acks(session, self.settings, run, self._acks_due(session, run, metrics))
                 fields = summarize(peers, metrics, self.run.target_batch_size, samples_total(session, self.run))
-                self._offer_checkpoint(run, fields["epoch"], training=bool(peers))
+                checkpoint_offer = (run.state, run.checkpoints, run.target_epochs, fields["epoch"], bool(peers))
                 if self.spot_checker is not None and run.state == "active":
                     self.spot_checker.offer(fields["epoch"], [p.peer_key for p in peers], metrics)
                 record_snapshot(session, self.run, **fields)
@@ -249,6 +249,9 @@ class CoordinatorNode:
             # The records stay in the DHT for minutes: the next poll catches up.
             logger.warning("database unavailable, will retry at the next poll: %s", getattr(e, "orig", None) or e)
             return
+        # After the commit: building the checkpointer's model takes seconds, which must not hold the database's
+        # write lock nor delay the snapshot the dashboard reads.
+        self._offer_checkpoint(*checkpoint_offer)
         if denylist is not None:
             publish_denylist(dht, self.config.run_id, self.signature, denylist)
             self.denylist_sent = (denylist["usernames"], time.monotonic())
@@ -283,17 +286,18 @@ class CoordinatorNode:
         return {key: epoch for key, epoch in epochs.items()
                 if self.acked.get(key, (-1, 0.0))[0] < epoch or self.acked[key][1] < stale}
 
-    def _offer_checkpoint(self, run, epoch: int, training: bool) -> None:
-        if self.checkpointer is None or run.state == "finished":
+    def _offer_checkpoint(self, state: str, checkpoints: Optional[dict], target_epochs: Optional[int], epoch: int,
+                          training: bool) -> None:
+        if self.checkpointer is None or state == "finished":
             return
         from dedloc_common.contract import CheckpointOptions
 
-        options = self.checkpointer.options = CheckpointOptions(**(run.checkpoints or {}))  # changed live
-        if training and run.state == "active" and options.spot_check_rate > 0:
+        options = self.checkpointer.options = CheckpointOptions(**(checkpoints or {}))  # changed live
+        if training and state == "active" and options.spot_check_rate > 0:
             self.checkpointer.want()  # the spot checker's picks download through it: built here, once
         self.checkpointer.offer(epoch)
-        if run.target_epochs is not None and epoch >= run.target_epochs:
-            self.checkpointer.finish(run.target_epochs)
+        if target_epochs is not None and epoch >= target_epochs:
+            self.checkpointer.finish(target_epochs)
 
     def _reach_known_workers(self, dht) -> None:
         """Seeing nobody, call the workers any coordinator of this run saw lately: a restarted or second

@@ -274,6 +274,19 @@ class Deployment:
         finally:
             engine.dispose()
 
+    def set_target_epochs(self, target_epochs: int) -> None:
+        """What an organizer does on the organize page: move the run's target (workers follow within seconds)."""
+        from app.runs import registry
+
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                run = registry.get_run(session, self.slug)
+                registry.edit_run(session, run, title=run.title, target_epochs=target_epochs, optimizer=run.optimizer,
+                                  checkpoints=run.checkpoints)
+        finally:
+            engine.dispose()
+
     def held_reasons(self) -> dict[str, list[str]]:
         engine = make_engine(self.database_url)
         try:
