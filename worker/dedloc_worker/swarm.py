@@ -30,7 +30,7 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
 17. Under delayed updates an epoch's round runs during the next epoch: its receipts are taken once it is over and
     before the next round begins (``AccountedOptimizer.rounds_over``), not at the epoch's end.
 18. ``Optimizer.shutdown`` waits up to the averaging timeout for a round it tags along with; a leaving
-    ``AccountedOptimizer`` waits ``TAG_ALONG_ON_LEAVE``.
+    ``AccountedOptimizer`` waits ``LEAVE_GRACE``.
 """
 
 from __future__ import annotations
@@ -223,8 +223,9 @@ async def rejoin(_dht, node, addrs: Sequence[str], always: bool = False, timeout
     return alone, await reach_peers(_dht, node, addrs, timeout)
 
 
-# Seconds a leaving peer serves a round its group formed for (hivemind's Optimizer.shutdown waits an averaging timeout)
-TAG_ALONG_ON_LEAVE = 2.0
+# Seconds a leaving peer serves the round it just finished (``trainer.train``) or one its group formed for as it left
+# (hivemind's Optimizer.shutdown would wait an averaging timeout): partners receive its parts, and Ctrl-C stays quick
+LEAVE_GRACE = 2.0
 
 
 @dataclass
@@ -293,14 +294,14 @@ class AccountedOptimizer(hivemind.Optimizer):
 
     def _tag_along_with_zero_weight(self, control) -> None:
         """hivemind joins a round this peer's group formed for with zero weight, and waits up to the averaging
-        timeout for it (60 s by default); a leaving peer waits at most ``TAG_ALONG_ON_LEAVE``."""
+        timeout for it (60 s by default); a leaving peer waits at most ``LEAVE_GRACE``."""
         if not self._leaving:
             return super()._tag_along_with_zero_weight(control)
         if not control.triggered:
             control.weight = 0
             control.allow_allreduce()
         try:
-            control.result(TAG_ALONG_ON_LEAVE)
+            control.result(LEAVE_GRACE)
         except BaseException:  # the round failed or ran past the wait: either way this peer is leaving
             if not control.done():
                 control.cancel()

@@ -17,10 +17,9 @@ from dedloc_common.contract import (RECENT_EPOCHS_KEPT, EpochContribution, LinkR
 from .errors import TrainingError, WorkerError
 from .records import METRICS_INTERVAL, MetricsPublisher, publish_metrics
 from .spot_checks import GradientSum, checkable, epoch_seed
-from .swarm import RoundReceipts, create_optimizer, restore, state_averaging_period
+from .swarm import LEAVE_GRACE, RoundReceipts, create_optimizer, restore, state_averaging_period
 
 
-LEAVE_GRACE = 2.0  # seconds a leaving peer keeps serving the round it just finished
 AUX_POLL = 0.2  # seconds an auxiliary peer waits between two looks for a round to aggregate
 FINAL_WAIT = 600.0  # seconds a peer at the run's target serves its state for the final checkpoint, at most
 
