@@ -222,7 +222,7 @@ def test_every_variable_is_a_setting_and_documented(compose, deploying, monkeypa
 
 
 def test_the_coordinator_announces_the_port_it_listens_on_and_publishes(compose):
-    from app.coordinator.node import announced_maddrs
+    from app.coordinator.addresses import announced_maddrs
 
     coordinator = compose["services"]["coordinator"]
     command = coordinator["command"]

@@ -218,6 +218,12 @@ def cmd_serve(args, settings: Settings) -> None:
 
 
 def cmd_coordinator(args, settings: Settings) -> None:
+    from app.coordinator.addresses import announced_maddrs
+
+    if args.announce:
+        settings = settings.model_copy(update={"announce_maddrs": args.announce})
+    announced_maddrs(settings.announce_maddrs, args.listen)  # a wrong address is refused before seconds of imports
+
     from dedloc_worker.terminal import quiet
 
     from app.coordinator.node import CoordinatorNode
@@ -226,8 +232,6 @@ def cmd_coordinator(args, settings: Settings) -> None:
     stop = threading.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         signal.signal(signum, lambda *_: stop.set())
-    if args.announce:
-        settings = settings.model_copy(update={"announce_maddrs": args.announce})
     CoordinatorNode(settings, args.run, args.listen).serve(stop)
 
 

@@ -30,48 +30,16 @@ from app.credit.ledger import SignedMetrics, samples_total
 from app.credit.settlement import acknowledgements, credit_epochs, owners
 from app.core.config import Settings
 from app.core.database import make_engine, make_sessionmaker, migrate
-from app.core.errors import Invalid
 from app.core.clock import utcnow
 from app.runs.snapshots import record_snapshot
 from app.credit.stats_export import export_if_due
+from app.coordinator.addresses import announced_maddrs, default_listen
 from app.coordinator.planning import LinkSeen, PlanKeeper
 from app.coordinator.summary import PeerSeen, summarize
 
 logger = logging.getLogger("dedloc.coordinator")
 # Worker addresses remembered for a restart; a few reachable ones are enough to rejoin the swarm.
 MAX_KNOWN_PEERS = 16
-
-
-def announced_maddrs(announce: list[str], listen: str | None) -> list[str]:
-    """The addresses to announce, checked: multiaddrs with an explicit port, and a listen address with a fixed
-    port (the one a port mapping or a container's published port leads to); ``Invalid`` with the reason."""
-    from hivemind.utils.multiaddr import Multiaddr
-
-    if not announce:
-        return []
-    if not listen or listen.rstrip("/").endswith("/tcp/0"):
-        raise Invalid("--announce needs --listen with a fixed port, e.g. --listen /ip4/0.0.0.0/tcp/31337: the "
-                      "announced port must lead to the one the coordinator listens on")
-    checked = []
-    for addr in announce:
-        try:
-            parsed = Multiaddr(addr)
-        except Exception as e:  # multiaddr raises several types for text it cannot read
-            raise Invalid(f"announce address {addr!r} is not a multiaddr ({e})") from None
-        if "/tcp/" not in addr or addr.rstrip("/").endswith("/tcp/0") or "/p2p/" in addr:
-            raise Invalid(f"announce address {addr!r} must name a TCP port (not 0) and no /p2p/ part, "
-                          "e.g. /dns4/swarm.example.org/tcp/31337")
-        checked.append(str(parsed))
-    return checked
-
-
-def default_listen(previous: list[str], host: str) -> str:
-    """Listen where the previous coordinator with this identity did, so workers' bootstrap addresses hold."""
-    for addr in previous:
-        parts = addr.split("/")
-        if len(parts) > 4 and parts[3] == "tcp":
-            return "/".join(parts[:5])
-    return f"/ip4/{host}/tcp/0"
 
 
 class CoordinatorNode:
