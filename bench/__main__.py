@@ -17,6 +17,8 @@
    and ``spot_checks.md``.
 8. A fresh demo watched for five minutes, then Ctrl-C (``bench.demo``): held samples and their reasons, claims
    without a round, tracebacks, the stop time: ``demo.json`` and ``demo.md``.
+9. Ctrl-C on two trainers and an auxiliary peer at once, at moments across the epoch (``bench.leave``): seconds
+   until each exits: ``leave.json`` and ``leave.md``.
 
 How each bench measures, and what the figures mean: docs/benchmarks.md.
 """
@@ -29,8 +31,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import (demo, emulate_averaging, equivalence, load, robust_cost, simulate_averaging, simulate_groups,
-                   spot_checks, training)
+from bench import (demo, emulate_averaging, equivalence, leave, load, robust_cost, simulate_averaging,
+                   simulate_groups, spot_checks, training)
 from bench.emulate_averaging import ROUNDS
 
 RESULTS = Path("bench/results")
@@ -58,7 +60,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = code or load.main(["--out", str(RESULTS / "load.json")])
     code = code or equivalence.main(["--out", str(RESULTS / "equivalence.json")])
     code = code or spot_checks.main(["--out", str(RESULTS / "spot_checks.json")])
-    return code or demo.main(["--out", str(RESULTS / "demo.json")])
+    code = code or demo.main(["--out", str(RESULTS / "demo.json")])
+    return code or leave.main(["--out", str(RESULTS / "leave.json")])
 
 
 def markdown_table(rows: Sequence[dict]) -> str:

@@ -89,7 +89,7 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     assert all(deployment.processes[name].poll() is None for name in workers), "a worker ended early"
     for name in workers:  # volunteers leave with Ctrl-C
         deployment.processes[name].send_signal(signal.SIGINT)
-    for name in workers:  # a round in flight may take its timeout first
+    for name in workers:  # a round in flight gets LEAVE_GRACE, then is cancelled (timed by bench.leave)
         assert deployment.wait_exit(name, timeout=60) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]
 
     reports = {name: deployment.report(name)["contributions"] for name in workers}

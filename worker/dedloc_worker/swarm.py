@@ -258,13 +258,15 @@ class AccountedOptimizer(hivemind.Optimizer):
     are taken before the next round begins, so a claim is never tied to the round after its own.
     """
 
-    def __init__(self, *args, receipts=None, **kwargs):
+    def __init__(self, *args, receipts=None, leave: Optional[threading.Event] = None, **kwargs):
         super().__init__(*args, **kwargs)
         self.receipts = receipts  # a receipts.ReceiptLog, or None: every round's receipts are empty
         self.finished_epochs: List[FinishedEpoch] = []
         self.rounds_over: List[RoundReceipts] = []
         self._round_running = False
         self._leaving = False
+        self.leave = leave or threading.Event()  # set when the peer is asked to leave (Ctrl-C), and at shutdown
+        self.leave_seen_at: Optional[float] = None  # time.monotonic() when a round's wait first saw ``leave``
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs):
         from .tracker import ThrottledProgressTracker
@@ -290,7 +292,31 @@ class AccountedOptimizer(hivemind.Optimizer):
 
     def shutdown(self) -> None:
         self._leaving = True
+        self.leave.set()
         super().shutdown()
+
+    def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
+        if maybe_step_control is not None:
+            self._wait_or_leave(maybe_step_control)
+        super()._average_gradients_and_load_into_optimizer(maybe_step_control)
+
+    def _wait_or_leave(self, control) -> None:
+        """Wait for a gradient round as hivemind does (up to the averaging timeout); once the peer is asked to leave,
+        ``LEAVE_GRACE`` more at most, then cancel it. hivemind would wait the whole timeout (60 s by default) for
+        partners that are often leaving too, in the main thread of an auxiliary peer or in its shutdown (which waits
+        for the update that waits for this round, under delayed updates): Ctrl-C took 10-12 s with 10 s there."""
+        deadline, asked = time.monotonic() + self.averaging_timeout, None
+        while not control.done():
+            now = time.monotonic()
+            if asked is None and self.leave.is_set():
+                asked = self.leave_seen_at = self.leave_seen_at or now
+            if now >= deadline or (asked is not None and now - asked >= LEAVE_GRACE):
+                control.cancel()  # hivemind's result() then raises, and this peer steps with its own gradients
+                return
+            if asked is None:
+                self.leave.wait(0.05)
+            else:
+                time.sleep(0.05)
 
     def _tag_along_with_zero_weight(self, control) -> None:
         """hivemind joins a round this peer's group formed for with zero weight, and waits up to the averaging
@@ -358,11 +384,12 @@ def gradient_compression(options):
 
 
 def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: bool = False, verbose: bool = False,
-                     receipts=None):
+                     receipts=None, leave: Optional[threading.Event] = None):
     """The run's collaborative optimizer over ``params``, configured from the run config.
 
     :param aux: an auxiliary peer: it aggregates its share of every round and trains nothing
     :param receipts: the ``receipts.ReceiptLog`` its rounds are noted in (``AccountedOptimizer.rounds_over``)
+    :param leave: set when the peer is asked to leave: a round it waits for gets ``LEAVE_GRACE`` more
     """
     from .averaging import PlannedGradientAverager, guard_weightless_parts
     from .matchmaking import pace_matchmaking
@@ -407,6 +434,7 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
         tracker_opts=dict(metadata_expiration=opt.metadata_expiration),
         verbose=verbose,
         receipts=receipts,
+        leave=leave,
     )
     signal.signal(signal.SIGINT, on_interrupt)  # pitfall 7
     return optimizer

@@ -110,7 +110,8 @@ def train(
     """
     addrs = [] if client_mode else [str(addr) for addr in dht.get_visible_maddrs()]
     hardware = hardware or describe_hardware()
-    opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode, aux=aux, receipts=receipts)
+    opt = create_optimizer(dht, config, task.model.parameters(), client_mode=client_mode, aux=aux, receipts=receipts,
+                           leave=stop)
     if resume is not None:
         restore(opt, resume)
     time.sleep(max(0.0, admitted_at - time.monotonic()))
@@ -174,8 +175,9 @@ def train(
         state = {k: v.clone() for k, v in task.model.state_dict().items()}
         # This peer's averager still holds parts of the last round that partners are receiving: leaving at once
         # would fail their round and split the model. A short grace lets it deliver them; the last claims are
-        # published within it, once their rounds have ended (or as they stand at its end).
-        grace_ends = time.monotonic() + LEAVE_GRACE
+        # published within it, once their rounds have ended (or as they stand at its end). It runs from when a
+        # round's wait saw the request to leave, if one did: an auxiliary peer's step spent it there.
+        grace_ends = min(time.monotonic(), opt.leave_seen_at or math.inf) + LEAVE_GRACE
         while unsettled and len(opt.rounds_over) < len(unsettled) and time.monotonic() < grace_ends:
             time.sleep(0.05)
             opt.collect_rounds()
