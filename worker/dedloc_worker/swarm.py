@@ -306,17 +306,20 @@ class AccountedOptimizer(hivemind.Optimizer):
         partners that are often leaving too, in the main thread of an auxiliary peer or in its shutdown (which waits
         for the update that waits for this round, under delayed updates): Ctrl-C took 10-12 s with 10 s there."""
         deadline, asked = time.monotonic() + self.averaging_timeout, None
-        while not control.done():
+        while True:
             now = time.monotonic()
             if asked is None and self.leave.is_set():
                 asked = self.leave_seen_at = self.leave_seen_at or now
             if now >= deadline or (asked is not None and now - asked >= LEAVE_GRACE):
                 control.cancel()  # hivemind's result() then raises, and this peer steps with its own gradients
                 return
-            if asked is None:
-                self.leave.wait(0.05)
-            else:
-                time.sleep(0.05)
+            try:
+                control.exception(timeout=0.05)  # returns as the round ends, however it ended
+            except TimeoutError:
+                continue
+            except BaseException:  # cancelled: hivemind's result() says so
+                pass
+            return
 
     def _tag_along_with_zero_weight(self, control) -> None:
         """hivemind joins a round this peer's group formed for with zero weight, and waits up to the averaging
