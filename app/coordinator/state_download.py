@@ -18,8 +18,10 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
+from dedloc_worker.replica import ClosesReplica
 
-class PeerStateAverager(TrainingStateAverager):
+
+class PeerStateAverager(ClosesReplica, TrainingStateAverager):
     @classmethod
     def get_stub(cls, p2p, peer, *, namespace=None):
         # handler names carry the servicer's class name: the workers serve as hivemind's TrainingStateAverager

@@ -17,6 +17,8 @@ from typing import Optional
 
 from hivemind.optim.state_averager import TrainingStateAverager
 
+from .replica import ClosesReplica
+
 # Seconds between two renewals of the record for a priority change, at least: a loader picks the highest priority,
 # and every source's epoch is then at most this stale (the record's value, not the state it serves).
 PRIORITY_SPACING = 10.0
@@ -66,7 +68,7 @@ class DeclaresOnChange:
         event.request() if isinstance(event, _SetOnRequest) else event.set()
 
 
-class StateAverager(DeclaresOnChange, TrainingStateAverager):
+class StateAverager(ClosesReplica, DeclaresOnChange, TrainingStateAverager):
     """hivemind's ``TrainingStateAverager``, declaring itself as a state source on its period and on a change."""
 
     @classmethod
