@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,8 +86,8 @@ def watch_demo(minutes: float) -> dict:
         finally:
             stop_seconds = stop_and_time(demo, tag)
     text = terminal.read_text()
-    return dict(minutes=minutes, **found, tracebacks=text.count("Traceback"),
-                stop_seconds=round(stop_seconds, 2), terminal=str(terminal))
+    shutil.rmtree(work, ignore_errors=True)  # kept only when the demo exited early (the error names its log)
+    return dict(minutes=minutes, **found, tracebacks=text.count("Traceback"), stop_seconds=round(stop_seconds, 2))
 
 
 def markdown(row: dict) -> str:

@@ -11,6 +11,7 @@ test ends; the partners a leaving peer waits for are then leaving too.
 from __future__ import annotations
 
 import argparse
+import shutil
 import signal
 import tempfile
 import time
@@ -79,6 +80,7 @@ def main(argv=None) -> int:
             print(rows[-3:], flush=True)
     finally:
         deployment.close()
+        shutil.rmtree(work, ignore_errors=True)
     write_results(args.out, rows, markdown(rows))
     return 0
 
