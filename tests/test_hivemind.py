@@ -105,6 +105,28 @@ def test_an_auxiliary_peer_of_a_run_with_delayed_updates_delays_nothing(two_dhts
         trainer.shutdown()
 
 
+def test_a_leaving_peer_cancels_its_open_state_round_instead_of_waiting_it_out(two_dhts):
+    """Pitfall 18: hivemind's shutdown waits for a state-averaging round running in the background (delayed state
+    averaging, its default) up to the averaging timeout when no partner is there to finish it; a leaving
+    ``AccountedOptimizer`` cancels it once ``LEAVE_GRACE`` has passed since it was asked to leave."""
+    server, _ = two_dhts
+    opt = create_optimizer(server, tiny_config(averaging_timeout=20.0), torch.nn.Linear(4, 1).parameters(),
+                           client_mode=False)
+    try:
+        # What the optimizer does at an epoch that averages state (hivemind starts it only with partners around)
+        opt.state_averager.step(averaging_round=True, delay_averaging=True,
+                                averaging_opts=dict(timeout=opt.averaging_timeout))
+        deadline = time.monotonic() + 10
+        while not any(control.triggered for control in opt.state_averager.open_rounds()):
+            assert time.monotonic() < deadline, "no state round ran: the check below would prove nothing"
+            time.sleep(0.05)
+        running = opt.state_averager.open_rounds()
+    finally:
+        opt.shutdown()
+    # Waited out, the round would have ended with the timeout's error instead.
+    assert running and all(control.cancelled() for control in running), running
+
+
 def test_signed_records_are_readable_by_a_validating_reader_and_unforgeable(two_dhts):
     """Pitfall 5: a reader needs the same validators; a signed record cannot be overwritten by another key."""
     writer, reader = two_dhts

@@ -18,7 +18,7 @@ from hivemind.utils import MPFuture
 from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
-from dedloc_worker.replica import ClosesReplica
+from dedloc_worker.leaving import ClosesReplica
 
 
 class PeerStateAverager(ClosesReplica, TrainingStateAverager):

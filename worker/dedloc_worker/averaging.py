@@ -28,7 +28,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter, azip, enter_asynchronously
 
-from .replica import ClosesReplica
+from .leaving import ClosesReplica
 from .robust import RobustPartReducer, RobustRule, notable_attestations
 from .state_sharing import DeclaresOnChange
 

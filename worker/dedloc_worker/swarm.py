@@ -293,7 +293,17 @@ class AccountedOptimizer(hivemind.Optimizer):
     def shutdown(self) -> None:
         self._leaving = True
         self.leave.set()
-        super().shutdown()
+        # hivemind's shutdown first waits for the delayed update, and with it for a state-averaging round running
+        # in the background, up to the averaging timeout: one whose partners left too ends at LEAVE_GRACE instead.
+        now = time.monotonic()
+        self.leave_seen_at = self.leave_seen_at or now
+        cut = threading.Timer(max(0.0, self.leave_seen_at + LEAVE_GRACE - now), self.state_averager.cancel_open_rounds)
+        cut.daemon = True
+        cut.start()
+        try:
+            super().shutdown()
+        finally:
+            cut.cancel()
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
         if maybe_step_control is not None:
