@@ -1,9 +1,11 @@
 """What an averager does as its peer leaves: its open rounds can be cancelled, and its process closes its P2P replica.
 
-Each averager runs in a process of its own, talking to the DHT's p2pd through a replica of its P2P client, which
-listens on a Unix socket of its own (``/tmp/hivemind-p2pclient-<id>.sock``). hivemind 1.1.12 never shuts that
-replica down: its socket file goes only in the replica's ``__del__``, which does not run as the process exits, so
-every averager left one file in /tmp (docs/hivemind.md#pitfalls, 19).
+A leaving peer's optimizer waits for a state-averaging round still running in the background up to the averaging
+timeout, though its partners are often leaving too (docs/hivemind.md#pitfalls, 18): ``RemembersRounds`` lets it
+cancel that round instead. Each averager runs in a process of its own, talking to the DHT's p2pd through a replica of
+its P2P client, which listens on a Unix socket of its own (``/tmp/hivemind-p2pclient-<id>.sock``). hivemind 1.1.12
+never shuts that replica down: its socket file goes only in the replica's ``__del__``, which does not run as the
+process exits, so every averager left one file in /tmp (pitfall 19); ``ClosesReplica`` closes it.
 """
 
 from __future__ import annotations
