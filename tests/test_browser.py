@@ -9,7 +9,7 @@ from datetime import datetime, timezone
 import pytest
 
 from tests.support.browsers import needs_chromium
-from tests.support.harness import tagged_processes, unbound_hivemind_sockets, wait_for
+from tests.support.harness import hivemind_sockets, tagged_processes, unbound_hivemind_sockets, wait_for
 
 pytestmark = [pytest.mark.swarm, needs_chromium]
 
@@ -19,7 +19,7 @@ def counter(page) -> int:
 
 
 def test_the_dashboard_of_a_running_demo_moves_without_a_reload(deployment, chromium_browser, output_dir):
-    left_before = unbound_hivemind_sockets()
+    sockets_before = hivemind_sockets()  # only files the demo's processes create count below
     demo = deployment.start("demo", "-m", "app.cli", "demo")
     url = f"{deployment.url}/runs/demo"
     wait_for(lambda: deployment.get("/api/v1/runs/demo/swarm")["samples_total"] > 0, 150, "the demo to credit samples")
@@ -51,7 +51,7 @@ def test_the_dashboard_of_a_running_demo_moves_without_a_reload(deployment, chro
     assert demo.wait(60) == 0
     wait_for(lambda: not tagged_processes(deployment.tag), 15, "every demo process to end")
     # ... and removed the socket files of hivemind's processes (each averager's used to stay in /tmp)
-    demo_sockets = unbound_hivemind_sockets() - left_before
+    demo_sockets = unbound_hivemind_sockets() - sockets_before
     assert not demo_sockets, demo_sockets
     again = deployment.start("demo-again", "-m", "app.cli", "demo")
     restarted = datetime.now(timezone.utc)

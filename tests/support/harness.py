@@ -45,11 +45,16 @@ def tagged_processes(tag: str) -> list[int]:
     return processes_tagged(TAG, tag)
 
 
+def hivemind_sockets() -> set[str]:
+    """hivemind's Unix socket files in /tmp: p2pd's and its clients'."""
+    return {str(path) for path in Path("/tmp").glob("hivemind-*.sock")}
+
+
 def unbound_hivemind_sockets() -> set[str]:
-    """hivemind's Unix socket files in /tmp (p2pd's and its clients') that no live socket of this network namespace
-    is bound to: what processes that ended left behind. Live ones are in /proc/net/unix."""
+    """``hivemind_sockets`` that no live socket of this network namespace is bound to: what processes that ended left
+    behind. Live ones are in /proc/net/unix."""
     bound = {line.split()[-1] for line in Path("/proc/net/unix").read_text().splitlines()[1:] if len(line.split()) > 7}
-    return {str(path) for path in Path("/tmp").glob("hivemind-*.sock")} - bound
+    return hivemind_sockets() - bound
 
 
 def local_epoch(text: str) -> int:
