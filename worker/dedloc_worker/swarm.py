@@ -266,7 +266,9 @@ class AccountedOptimizer(hivemind.Optimizer):
         self._round_running = False
         self._leaving = False
         self.leave = leave or threading.Event()  # set when the peer is asked to leave (Ctrl-C), and at shutdown
-        self.leave_seen_at: Optional[float] = None  # time.monotonic() when a round's wait first saw ``leave``
+        # time.monotonic() when this peer was first seen leaving (a round's wait, the trainer's grace or shutdown):
+        # every wait of a leaving peer ends LEAVE_GRACE after it
+        self.leave_seen_at: Optional[float] = None
 
     def _make_progress_tracker(self, target_batch_size: int, **kwargs):
         from .tracker import ThrottledProgressTracker
