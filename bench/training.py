@@ -2,6 +2,11 @@
 cores, in one run (docs/benchmarks.md#training).
 
     python -m bench.training [--seconds 40] [--out bench/results/training.json]
+    python -m bench.training --task tiny-lm --targets 2048,4096,16384 --out bench/results/training_epochs.json
+    python -m bench.training --device cuda ...   # workers and solo processes on the GPU
+
+Without ``--targets`` it runs ``CONFIGS``; with them, the run's defaults for ``--task`` at each global batch: a swarm
+pays a fixed cost per epoch, and the table fits it (``epoch_cost``).
 
 Solo: N processes train the task alone at once (no hivemind), each counting its samples over the window, right
 before and right after each swarm row, the two averaged (the solo rate drifts between minutes here). Each takes an
@@ -60,18 +65,19 @@ CONFIGS = [("tiny-lm", 4096, DEFAULTS.delay_optimizer_step, DEFAULTS.compression
 PARTIAL = re.compile("|".join(re.escape(line.split("% ", 1)[1]) for line in (PART_LATE, RESULTS_LATE)))
 
 
-def solo_rate(task: str, target: int, seconds: float, corpus: Path) -> tuple[float, float]:
+def solo_rate(task: str, target: int, seconds: float, corpus: Path, device: str = "cpu") -> tuple[float, float]:
     """(samples per second, cores used) of PEERS solo processes training at once, each summed over them."""
     procs = [subprocess.Popen([sys.executable, "-m", "bench.training", "solo", task, str(target), str(seconds),
-                               str(corpus)], stdout=subprocess.PIPE, text=True) for _ in range(PEERS)]
+                               str(corpus), device], stdout=subprocess.PIPE, text=True) for _ in range(PEERS)]
     measured = [proc.communicate(timeout=seconds + 300)[0].split()[-2:] for proc in procs]
     return sum(float(rate) for rate, _ in measured), sum(float(cores) for _, cores in measured)
 
 
-def solo_main(task_name: str, target: int, seconds: float, corpus: Path) -> None:
+def solo_main(task_name: str, target: int, seconds: float, corpus: Path, device: str) -> None:
     import torch
 
     from dedloc_common.contract import RunConfig
+    from dedloc_worker import device as devices
     from dedloc_worker.tasks import build_task
 
     torch.set_num_threads(1)
@@ -88,13 +94,17 @@ def solo_main(task_name: str, target: int, seconds: float, corpus: Path) -> None
     config = RunConfig(slug="solo", run_id="solo", task=spec["task"], task_options=spec["options"],
                        target_batch_size=target, batch_size=BATCH)
     task = build_task(config, files)
+    placement = devices.choose(device, 1)  # as the workers place theirs (--device, mixed precision on a GPU)
+    task.to(placement.device, placement.amp)
     optimizer = torch.optim.AdamW(task.model.parameters(), lr=1e-3)
+    sync = torch.cuda.synchronize if placement.device == "cuda" else lambda: None
     for _ in range(3):  # warm up (first batches load data)
         task.batch_loss(BATCH).backward()
         optimizer.zero_grad()
     # A step per swarm peer's share of the global batch, as each worker takes one step per epoch: stepping after
     # every mini-batch costs tiny-lm a tenth of its rate (1,087 against 1,201 samples/s, one process here).
     batches_per_step = max(1, target // (PEERS * BATCH))
+    sync()
     samples, start, cpu = 0, time.monotonic(), time.process_time()
     while time.monotonic() - start < seconds:
         task.batch_loss(BATCH).backward()
@@ -102,11 +112,13 @@ def solo_main(task_name: str, target: int, seconds: float, corpus: Path) -> None
         if samples % (batches_per_step * BATCH) == 0:
             optimizer.step()
             optimizer.zero_grad()
+    sync()
     wall = time.monotonic() - start
     print(samples / wall, (time.process_time() - cpu) / wall)
 
 
-def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds: float, corpus: Path) -> dict:
+def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds: float, corpus: Path,
+               device: str = "cpu") -> dict:
     spec = TASKS[task_name]
     work = Path(tempfile.mkdtemp(prefix="dedloc-bench-"))
     port = free_port()
@@ -129,7 +141,7 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
             credential = subprocess.run([sys.executable, "-m", "app.cli", "issue-credential", f"peer{index}"],
                                         env={**os.environ, **env}, capture_output=True, text=True).stdout.strip()
             started.append(spawn([sys.executable, "-m", "dedloc_worker", "join", url, "--run", "bench", "--threads",
-                                  "1", "--listen", "/ip4/127.0.0.1/tcp/0"],
+                                  "1", "--device", device, "--listen", "/ip4/127.0.0.1/tcp/0"],
                                  log=work / f"peer{index}.log", env={**env, "DEDLOC_WORKER_CREDENTIAL": credential}))
             if index == 0:  # one founder (docs/hivemind.md#state-checkpoints-and-resume)
                 wait(lambda: swarm(url)["epoch"] >= 1, 300)
@@ -147,16 +159,41 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
         end, t1, cpu1 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
         logs = [(work / f"peer{i}.log").read_text() for i in range(PEERS)]
         failed = sum(text.count(NO_GROUP) for text in logs)
+        claimed = claimed_per_epoch(env, begin, end)
+        stopped = ctrl_c(started[-1])
         return dict(swarm_samples_per_second=round((end - begin) * target / (t1 - t0), 1),
                     epochs=end - begin, epoch_seconds=round((t1 - t0) / (end - begin), 2), failed_rounds=failed,
+                    claimed_samples_per_epoch=claimed,
                     partial_rounds=sum(partial_rounds(text) for text in logs),
                     workers_cores=round((cpu1[0] - cpu0[0]) / (t1 - t0), 3),
                     coordinator_and_portal_cores=round((cpu1[1] - cpu0[1]) / (t1 - t0), 3),
-                    ctrl_c_seconds=ctrl_c(started[-1]))
+                    ctrl_c_seconds=stopped)
     finally:
         stop_all(started[2:])
         stop_all(started[:2])
         shutil.rmtree(work, ignore_errors=True)
+
+
+def claimed_per_epoch(env: dict, first: int, end: int, timeout: float = 15.0) -> float | None:
+    """The samples the workers claimed per epoch (summed over them, averaged over the window's epochs ``first`` to
+    ``end - 1`` for which the coordinator recorded every worker's claim within ``timeout``). An epoch ends when the
+    swarm's extrapolated progress reaches the global batch, so what it held can be a little less or more."""
+    from sqlalchemy import func, select
+
+    from app.core.config import Settings
+    from app.core.database import one_session
+    from app.models import Contribution
+
+    url = Settings(data_dir=env["DEDLOC_DATA_DIR"], DATABASE_URL=env["DATABASE_URL"]).resolved_database_url
+    query = (select(func.sum(Contribution.samples)).where(Contribution.epoch >= first, Contribution.epoch < end)
+             .group_by(Contribution.epoch).having(func.count(Contribution.peer_key.distinct()) == PEERS))
+    deadline = time.monotonic() + timeout
+    while True:  # claims reach the coordinator with the workers' metrics records, seconds after their epoch
+        with one_session(url, migrate_first=False) as session:
+            sums = session.scalars(query).all()
+        if len(sums) >= end - first or time.monotonic() > deadline:
+            return round(sum(sums) / len(sums), 1) if sums else None
+        time.sleep(1)
 
 
 def tree_cpu(roots: list[int]) -> float:
@@ -224,47 +261,88 @@ def free_port() -> int:
 
 
 def markdown(rows: list[dict]) -> str:
+    devices = sorted({r.get("device", "cpu") for r in rows})
     lines = ["# Training throughput: swarm vs solo", "",
-             f"Written by `python -m bench.training`: {PEERS} workers (one torch thread each) with the run's "
-             "coordinator and an idle portal, against", f"{PEERS} solo processes at once, batch {BATCH}, "
-             "same cores; window and method: docs/benchmarks.md#training.", "",
+             f"Written by `python -m bench.training`: {PEERS} workers (one torch thread each, on {' and '.join(devices)}) "
+             "with the run's coordinator and an idle portal, against", f"{PEERS} solo processes at once, batch "
+             f"{BATCH}, same cores; window and method: docs/benchmarks.md#training.", "",
              "| task | global batch | epoch, s | peers | dpu | compression | swarm samples/s | "
              "solo samples/s (before / after) | efficiency | cores: workers / coordinator and portal / solo | "
-             "efficiency per CPU | epochs | failed rounds | partial rounds | Ctrl-C on a worker, s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "efficiency per CPU | epochs | samples claimed per epoch | failed rounds | partial rounds | "
+             "Ctrl-C on a worker, s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['task']} | {r['target_batch_size']:,} | {r['epoch_seconds']} | {r['peers']} | "
               f"{'on' if r['dpu'] else 'off'}{' (default)' if r['dpu'] == DEFAULTS.delay_optimizer_step else ''} | "
               f"{r['compression']} | "
               f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} "
               f"({' / '.join(f'{v:,.0f}' for v in r['solo_before_and_after'])}) | {r['efficiency']:.2f} | "
               f"{r['workers_cores']:.2f} / {r['coordinator_and_portal_cores']:.2f} / {r['solo_cores']:.2f} | "
-              f"{r['efficiency_per_cpu']:.2f} | {r['epochs']} | {r['failed_rounds']} | {r.get('partial_rounds')} | "
-              f"{r.get('ctrl_c_seconds')} |"
+              f"{r['efficiency_per_cpu']:.2f} | {r['epochs']} | {r.get('claimed_samples_per_epoch') or '-'} | "
+              f"{r['failed_rounds']} | {r.get('partial_rounds')} | {r.get('ctrl_c_seconds')} |"
               for r in rows]
+    fits = epoch_cost(rows)
+    if fits:
+        lines += ["", "Fixed cost per epoch, fitted over the rows of one task and settings at several global batches "
+                  "(1 / efficiency = a + b / global batch, least squares): the efficiency of long epochs is 1 / a, and "
+                  "each epoch costs b samples of solo compute on top.", ""]
+        lines += [f"- {fit}" for fit in fits]
     return "\n".join(lines) + "\n"
+
+
+def epoch_cost(rows: list[dict]) -> list[str]:
+    """One line per (task, device, DPU, compression) measured at two or more global batches: the fit of
+    1/efficiency = a + b/B. A swarm's time per epoch is then (a * B + b) / solo rate: b / solo is what an epoch costs
+    beyond its samples' compute, in seconds of the whole machine."""
+    import statistics
+
+    groups: dict[tuple, list[dict]] = {}
+    for row in rows:
+        key = (row["task"], row.get("device", "cpu"), row["dpu"], row["compression"])
+        groups.setdefault(key, []).append(row)
+    fits = []
+    for (task, device, dpu, compression), group in groups.items():
+        if len({r["target_batch_size"] for r in group}) < 2:
+            continue
+        b, a = statistics.linear_regression([1 / r["target_batch_size"] for r in group],
+                                            [1 / r["efficiency"] for r in group])
+        solo = statistics.fmean(r["solo_samples_per_second"] for r in group)
+        needed = f"{b / (1 / 0.85 - a):,.0f} samples" if 1 / 0.85 > a else "none (long epochs stay below it)"
+        fits.append(f"{task} on {device}, DPU {'on' if dpu else 'off'}, compression {compression}: efficiency at long "
+                    f"epochs {1 / a:.2f}; each epoch costs {b:,.0f} samples ({b / solo:.2f} s of the machine at "
+                    f"{solo:,.0f} samples/s solo); 0.85 needs a global batch of {needed}")
+    return fits
 
 
 def main(argv=None) -> int:
     if argv is None and len(sys.argv) > 1 and sys.argv[1] == "solo":
-        solo_main(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), Path(sys.argv[5]))
+        solo_main(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]), Path(sys.argv[5]), sys.argv[6])
         return 0
     parser = argparse.ArgumentParser(prog="python -m bench.training")
     parser.add_argument("--seconds", type=float, default=40.0, help="measurement window per configuration")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where workers and solo train")
+    parser.add_argument("--task", choices=sorted(TASKS), default="tiny-lm", help="the task of --targets")
+    parser.add_argument("--targets", help="global batches, comma-separated: the run's defaults for --task at each, "
+                                          "instead of the standard rows")
     parser.add_argument("--out", type=Path, default=RESULTS / "training.json")
     args = parser.parse_args(argv)
+    try:
+        configs = ([(args.task, int(t), DEFAULTS.delay_optimizer_step, DEFAULTS.compression)
+                    for t in args.targets.split(",")] if args.targets else CONFIGS)
+    except ValueError:
+        parser.error(f"--targets {args.targets!r}: give global batches as whole numbers, like 4096,16384")
     corpus = Path(tempfile.mkdtemp(prefix="dedloc-bench-corpus-"))
     write_corpus(corpus)
     rows = []
     try:
-        for task, target, dpu, compression in CONFIGS:
+        for task, target, dpu, compression in configs:
             # Solo right before and right after each swarm, averaged: this machine's solo rate drifts by up to 15%
             # within minutes (and 16% between runs), so a ratio takes both halves from the same minutes.
-            before = solo_rate(task, target, args.seconds, corpus)
-            measured = swarm_rate(task, target, dpu, compression, args.seconds, corpus)
-            after = solo_rate(task, target, args.seconds, corpus)
+            before = solo_rate(task, target, args.seconds, corpus, args.device)
+            measured = swarm_rate(task, target, dpu, compression, args.seconds, corpus, args.device)
+            after = solo_rate(task, target, args.seconds, corpus, args.device)
             solo, solo_cores = (before[0] + after[0]) / 2, (before[1] + after[1]) / 2
-            row = dict(task=task, target_batch_size=target, peers=PEERS, dpu=dpu, compression=compression,
-                       solo_samples_per_second=round(solo, 1),
+            row = dict(task=task, target_batch_size=target, peers=PEERS, device=args.device, dpu=dpu,
+                       compression=compression, solo_samples_per_second=round(solo, 1),
                        solo_before_and_after=[round(before[0], 1), round(after[0], 1)],
                        solo_cores=round(solo_cores, 3), **measured)
             row["efficiency"] = round(row["swarm_samples_per_second"] / solo, 3)
