@@ -26,7 +26,9 @@ def build_parser() -> argparse.ArgumentParser:
     create.add_argument("slug", help="short name used in URLs, e.g. sahajbert")
     create.add_argument("--title", help="human title (default: the slug)")
     create.add_argument("--task", default="tiny-lm", help="task plugin name or module:Class")
-    create.add_argument("--target-batch-size", type=int, default=4096, help="samples per collaboration step")
+    create.add_argument("--target-batch-size", type=int, default=4096,
+                        help="samples per collaboration step (the swarm averages once a step: pick one the swarm "
+                             "takes ten seconds or more to fill)")
     create.add_argument("--batch-size", type=int, default=16, help="samples per local mini-step")
     create.add_argument("--task-options", type=json.loads, default={}, help="JSON object of task options")
     create.add_argument("--samples-per-second-ceiling", type=float, default=5000.0,
