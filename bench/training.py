@@ -263,8 +263,9 @@ def free_port() -> int:
 def markdown(rows: list[dict]) -> str:
     devices = sorted({r.get("device", "cpu") for r in rows})
     lines = ["# Training throughput: swarm vs solo", "",
-             f"Written by `python -m bench.training`: {PEERS} workers (one torch thread each, on {' and '.join(devices)}) "
-             "with the run's coordinator and an idle portal, against", f"{PEERS} solo processes at once, batch "
+             f"Written by `python -m bench.training`: {PEERS} workers (one torch thread each, on "
+             f"{' and '.join(devices)}) with the run's coordinator and an idle portal, against",
+             f"{PEERS} solo processes at once, batch "
              f"{BATCH}, same cores; window and method: docs/benchmarks.md#training.", "",
              "| task | global batch | epoch, s | peers | dpu | compression | swarm samples/s | "
              "solo samples/s (before / after) | efficiency | cores: workers / coordinator and portal / solo | "
@@ -277,7 +278,7 @@ def markdown(rows: list[dict]) -> str:
               f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} "
               f"({' / '.join(f'{v:,.0f}' for v in r['solo_before_and_after'])}) | {r['efficiency']:.2f} | "
               f"{r['workers_cores']:.2f} / {r['coordinator_and_portal_cores']:.2f} / {r['solo_cores']:.2f} | "
-              f"{r['efficiency_per_cpu']:.2f} | {r['epochs']} | {r.get('claimed_samples_per_epoch') or '-'} | "
+              f"{r['efficiency_per_cpu']:.2f} | {r['epochs']} | {claimed(r)} | "
               f"{r['failed_rounds']} | {r.get('partial_rounds')} | {r.get('ctrl_c_seconds')} |"
               for r in rows]
     fits = epoch_cost(rows)
@@ -289,8 +290,13 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def claimed(row: dict) -> str:
+    value = row.get("claimed_samples_per_epoch")
+    return "-" if value is None else f"{value:,.0f}"
+
+
 def epoch_cost(rows: list[dict]) -> list[str]:
-    """One line per (task, device, DPU, compression) measured at two or more global batches: the fit of
+    """One line per (task, device, DPU, compression) measured at three or more global batches: the fit of
     1/efficiency = a + b/B. A swarm's time per epoch is then (a * B + b) / solo rate: b / solo is what an epoch costs
     beyond its samples' compute, in seconds of the whole machine."""
     import statistics
@@ -301,11 +307,14 @@ def epoch_cost(rows: list[dict]) -> list[str]:
         groups.setdefault(key, []).append(row)
     fits = []
     for (task, device, dpu, compression), group in groups.items():
-        if len({r["target_batch_size"] for r in group}) < 2:
+        if len({r["target_batch_size"] for r in group}) < 3:  # two noisy rows fit anything
             continue
         b, a = statistics.linear_regression([1 / r["target_batch_size"] for r in group],
                                             [1 / r["efficiency"] for r in group])
         solo = statistics.fmean(r["solo_samples_per_second"] for r in group)
+        if b <= 0:
+            fits.append(f"{task} on {device}: the rows show no cost per epoch above their scatter")
+            continue
         needed = f"{b / (1 / 0.85 - a):,.0f} samples" if 1 / 0.85 > a else "none (long epochs stay below it)"
         fits.append(f"{task} on {device}, DPU {'on' if dpu else 'off'}, compression {compression}: efficiency at long "
                     f"epochs {1 / a:.2f}; each epoch costs {b:,.0f} samples ({b / solo:.2f} s of the machine at "
