@@ -157,7 +157,7 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
         last = logged_epoch(log)
         wait(lambda: logged_epoch(log) > last, 300, poll=0.05)
         end, t1, cpu1 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
-        logs = [(work / f"peer{i}.log").read_text() for i in range(PEERS)]
+        logs = [in_window((work / f"peer{i}.log").read_text(), begin, end) for i in range(PEERS)]
         failed = sum(text.count(NO_GROUP) for text in logs)
         claimed = claimed_per_epoch(env, begin, end)
         stopped = ctrl_c(started[-1])
@@ -224,10 +224,18 @@ def ctrl_c(worker: subprocess.Popen, timeout: float = 30.0) -> float | None:
 
 
 def partial_rounds(log: str) -> int:
-    """Rounds, in a worker's whole log, that lost parts: the epochs (between two "epoch N" lines) in which it
-    logged a part that came late or not at all."""
+    """Rounds, in a worker's log, that lost parts: the epochs (between two "epoch N" lines) in which it logged a
+    part that came late or not at all."""
     epochs = re.split(r"^epoch \d+ \|", log, flags=re.MULTILINE)
     return sum(1 for text in epochs if PARTIAL.search(text))
+
+
+def in_window(log: str, first: int, end: int) -> str:
+    """What a worker logged from its "epoch ``first``" line up to its "epoch ``end``" line: the window's epochs,
+    without the rounds of a peer's joining before it."""
+    parts = re.split(r"^(?=epoch \d+ \|)", log, flags=re.MULTILINE)
+    return "".join(part for part in parts
+                   if (found := re.match(r"epoch (\d+) \|", part)) and first <= int(found[1]) < end)
 
 
 def logged_epoch(log: Path) -> int:
