@@ -63,6 +63,10 @@ CONFIGS = [("tiny-lm", 4096, DEFAULTS.delay_optimizer_step, DEFAULTS.compression
 # A worker's lines for a round that lost parts (dedloc_worker.terminal's, by their text after the percentage): its
 # epoch still counts, averaged in part.
 PARTIAL = re.compile("|".join(re.escape(line.split("% ", 1)[1]) for line in (PART_LATE, RESULTS_LATE)))
+# A worker prints this line as it enters epoch N.
+EPOCH_LINE = re.compile(r"^epoch (\d+) \|", re.MULTILINE)
+# The efficiency the bench's fit reports the global batch for.
+GOAL = 0.85
 
 
 def solo_rate(task: str, target: int, seconds: float, corpus: Path, device: str = "cpu") -> tuple[float, float]:
@@ -157,14 +161,16 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
         last = logged_epoch(log)
         wait(lambda: logged_epoch(log) > last, 300, poll=0.05)
         end, t1, cpu1 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
-        logs = [in_window((work / f"peer{i}.log").read_text(), begin, end) for i in range(PEERS)]
-        failed = sum(text.count(NO_GROUP) for text in logs)
+        # The window's epochs in each worker's log: a round lost at a peer's joining, before it, does not count.
+        sections = [text for i in range(PEERS) for number, text in epoch_sections((work / f"peer{i}.log").read_text())
+                  if begin <= number < end]
         claimed = claimed_per_epoch(env, begin, end)
         stopped = ctrl_c(started[-1])
         return dict(swarm_samples_per_second=round((end - begin) * target / (t1 - t0), 1),
-                    epochs=end - begin, epoch_seconds=round((t1 - t0) / (end - begin), 2), failed_rounds=failed,
+                    epochs=end - begin, epoch_seconds=round((t1 - t0) / (end - begin), 2),
+                    failed_rounds=sum(text.count(NO_GROUP) for text in sections),
                     claimed_samples_per_epoch=claimed,
-                    partial_rounds=sum(partial_rounds(text) for text in logs),
+                    partial_rounds=sum(1 for text in sections if PARTIAL.search(text)),
                     workers_cores=round((cpu1[0] - cpu0[0]) / (t1 - t0), 3),
                     coordinator_and_portal_cores=round((cpu1[1] - cpu0[1]) / (t1 - t0), 3),
                     ctrl_c_seconds=stopped)
@@ -223,25 +229,18 @@ def ctrl_c(worker: subprocess.Popen, timeout: float = 30.0) -> float | None:
     return None
 
 
-def partial_rounds(log: str) -> int:
-    """Rounds, in a worker's log, that lost parts: the epochs (between two "epoch N" lines) in which it logged a
-    part that came late or not at all."""
-    epochs = re.split(r"^epoch \d+ \|", log, flags=re.MULTILINE)
-    return sum(1 for text in epochs if PARTIAL.search(text))
-
-
-def in_window(log: str, first: int, end: int) -> str:
-    """What a worker logged from its "epoch ``first``" line up to its "epoch ``end``" line: the window's epochs,
-    without the rounds of a peer's joining before it."""
-    parts = re.split(r"^(?=epoch \d+ \|)", log, flags=re.MULTILINE)
-    return "".join(part for part in parts
-                   if (found := re.match(r"epoch (\d+) \|", part)) and first <= int(found[1]) < end)
+def epoch_sections(log: str) -> list[tuple[int, str]]:
+    """(N, what the worker logged from its "epoch N" line to the next) for each epoch its log announced: a round's
+    warnings ("a part came late", "no group") fall in the section of the epoch they were printed in."""
+    starts = list(EPOCH_LINE.finditer(log))
+    ends = [found.start() for found in starts[1:]] + [len(log)]
+    return [(int(found[1]), log[found.start():stop]) for found, stop in zip(starts, ends)]
 
 
 def logged_epoch(log: Path) -> int:
     """The epoch a worker's log announced last (its "epoch N | ..." lines, printed as it enters epoch N)."""
-    found = re.findall(r"^epoch (\d+) \|", log.read_text(), re.MULTILINE)
-    return int(found[-1]) if found else 0
+    sections = epoch_sections(log.read_text())
+    return sections[-1][0] if sections else 0
 
 
 def swarm(url: str) -> dict:
@@ -273,8 +272,8 @@ def markdown(rows: list[dict]) -> str:
     lines = ["# Training throughput: swarm vs solo", "",
              f"Written by `python -m bench.training`: {PEERS} workers (one torch thread each, on "
              f"{' and '.join(devices)}) with the run's coordinator and an idle portal, against",
-             f"{PEERS} solo processes at once, batch "
-             f"{BATCH}, same cores; window and method: docs/benchmarks.md#training.", "",
+             f"{PEERS} solo processes at once, batch {BATCH}, same cores; window and method: "
+             "docs/benchmarks.md#training.", "",
              "| task | global batch | epoch, s | peers | dpu | compression | swarm samples/s | "
              "solo samples/s (before / after) | efficiency | cores: workers / coordinator and portal / solo | "
              "efficiency per CPU | epochs | samples claimed per epoch | failed rounds | partial rounds | "
@@ -323,10 +322,10 @@ def epoch_cost(rows: list[dict]) -> list[str]:
         if b <= 0:
             fits.append(f"{task} on {device}: the rows show no cost per epoch above their scatter")
             continue
-        needed = f"{b / (1 / 0.85 - a):,.0f} samples" if 1 / 0.85 > a else "none (long epochs stay below it)"
+        needed = f"{b / (1 / GOAL - a):,.0f} samples" if 1 / GOAL > a else "none (long epochs stay below it)"
         fits.append(f"{task} on {device}, DPU {'on' if dpu else 'off'}, compression {compression}: efficiency at long "
                     f"epochs {1 / a:.2f}; each epoch costs {b:,.0f} samples ({b / solo:.2f} s of the machine at "
-                    f"{solo:,.0f} samples/s solo); 0.85 needs a global batch of {needed}")
+                    f"{solo:,.0f} samples/s solo); {GOAL} needs a global batch of {needed}")
     return fits
 
 
