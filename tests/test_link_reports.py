@@ -5,6 +5,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from dedloc_common.contract import LinkReport
 from dedloc_worker.averaging import RoundOutcome, Transfers
 from dedloc_worker.planning import LinkMeter, PlanFollower, link_report
@@ -135,3 +137,21 @@ def test_the_first_report_dates_its_measurement_and_a_failed_one_says_so():
     assert (measured.upload_bps, measured.download_bps, measured.measured_at) == (1e6, 2e6, 123.0)
     unmeasured = link_report(None, params, client_mode=True, aux=False)
     assert (unmeasured.upload_bps, unmeasured.measured_at, unmeasured.client_mode) == (0.0, 0.0, True)
+
+
+# hivemind's 8-bit quantization calls torch.quantize_per_tensor, deprecated in torch 2.13 (it still works)
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
+def test_the_reported_vector_is_the_gradients_size_on_the_wire_under_the_runs_compression():
+    import torch
+    from hivemind.compression import CompressionInfo
+    from dedloc_worker.swarm import gradient_compression
+    from dedloc_common.contract import OptimizerOptions
+
+    elements = 131072  # a 128 KiB part at one byte an element
+    params = [torch.nn.Parameter(torch.randn(elements)), torch.nn.Parameter(torch.randn(100), requires_grad=False)]
+    gradient = torch.randn(elements)
+    for compression in OptimizerOptions.model_fields["compression"].annotation.__args__:
+        reported = link_report(None, params, client_mode=False, aux=False, compression=compression).vector_bytes
+        codec = gradient_compression(OptimizerOptions(compression=compression))
+        sent = len(codec.compress(gradient, CompressionInfo.from_tensor(gradient)).buffer)
+        assert abs(reported - sent) / sent < 0.01, (compression, reported, sent)

@@ -100,7 +100,8 @@ def _join(args, stop, folder: Path, placement):
         dht.shutdown()
         dht = join_swarm(args, info, deadline, identity.identity_path, authorizer, client_mode=True,
                          unreachable=True)
-    link = link_report(measured, task.model.parameters(), client_mode, args.aux, measured_at=measured_at)
+    link = link_report(measured, task.model.parameters(), client_mode, args.aux, measured_at=measured_at,
+                       compression=config.optimizer.compression)
     keeper = follower = meter = watch = claims = signature = relays = None
     try:
         if client_mode:  # it asked for a relay slot (swarm.relay_options): say when it receives through one

@@ -148,12 +148,17 @@ def group_bits_for(plan: PlanRecord, peer_id: str) -> str:
     return keys[int.from_bytes(hashlib.sha256(peer_id.encode()).digest()[:8], "big") % len(keys)]
 
 
+# Bytes one gradient element takes on the wire under each of the run's compressions (uint8: hivemind's quantization
+# adds a 256-entry codebook per part, under 1% of a 128 KiB part).
+WIRE_BYTES = {"none": 4, "fp16": 2, "uint8": 1}
+
+
 def link_report(measured: Optional[tuple[float, float]], params, client_mode: bool, aux: bool,
-                measured_at: Optional[float] = None) -> LinkReport:
+                measured_at: Optional[float] = None, compression: str = "none") -> LinkReport:
     """The initial report: measured (upload, download) bytes/s or None (taken at ``measured_at``, unix seconds;
-    now if not given), and the averaged vector's size."""
+    now if not given), and the averaged vector's size on the wire under the run's gradient ``compression``."""
     upload, download = measured or (0.0, 0.0)
-    vector_bytes = sum(p.numel() for p in params if p.requires_grad) * 4  # gradients are averaged as float32
+    vector_bytes = sum(p.numel() for p in params if p.requires_grad) * WIRE_BYTES[compression]
     when = 0.0 if measured is None else float(time.time() if measured_at is None else measured_at)
     return LinkReport(upload_bps=float(upload), download_bps=float(download), client_mode=client_mode, aux=aux,
                       vector_bytes=int(vector_bytes), measured_at=when)
