@@ -52,13 +52,15 @@ TASKS = {
     "tiny-lm": dict(task="tiny-lm", options={}, files=False),
     "albert": dict(task="masked-lm", options=DEMO_TASK, files=True),
 }
-# (task, global batch, DPU, compression); the first row is a run's defaults. Global batches large enough that a step
-# is seconds of compute (the paper's 4096); a swarm pays a fixed cost per epoch (a round, matchmaking, progress and
-# metrics records), so the last row takes tiny-lm's epoch four times as long, nearer real runs' minutes.
+# (task, global batch, DPU, compression); the first row is a run's defaults, the next two change DPU and compression.
+# Global batches large enough that a step is seconds of compute (the paper's 4096); a swarm pays a fixed cost per
+# epoch (a round, matchmaking, progress and metrics records), so the last row takes tiny-lm's epoch four times as
+# long, nearer real runs' minutes.
 DEFAULTS = OptimizerOptions()
 CONFIGS = [("tiny-lm", 4096, DEFAULTS.delay_optimizer_step, DEFAULTS.compression),
            ("tiny-lm", 4096, not DEFAULTS.delay_optimizer_step, DEFAULTS.compression),
-           ("tiny-lm", 4096, True, "fp16"), ("albert", 1024, True, "none"),
+           ("tiny-lm", 4096, DEFAULTS.delay_optimizer_step, "none" if DEFAULTS.compression != "none" else "fp16"),
+           ("albert", 1024, DEFAULTS.delay_optimizer_step, DEFAULTS.compression),
            ("tiny-lm", 16384, DEFAULTS.delay_optimizer_step, DEFAULTS.compression)]
 # A worker's lines for a round that lost parts (dedloc_worker.terminal's, by their text after the percentage): its
 # epoch still counts, averaged in part.
@@ -338,14 +340,21 @@ def main(argv=None) -> int:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where workers and solo train")
     parser.add_argument("--task", choices=sorted(TASKS), default="tiny-lm", help="the task of --targets")
     parser.add_argument("--targets", help="global batches, comma-separated: the run's defaults for --task at each, "
-                                          "instead of the standard rows")
+                                          "instead of the standard rows; repeat one to measure it again")
+    parser.add_argument("--compressions", default=DEFAULTS.compression,
+                        help="with --targets: gradient compressions, comma-separated (none, fp16, uint8), each "
+                             "measured at every global batch in turn")
     parser.add_argument("--out", type=Path, default=RESULTS / "training.json")
     args = parser.parse_args(argv)
     try:
-        configs = ([(args.task, int(t), DEFAULTS.delay_optimizer_step, DEFAULTS.compression)
-                    for t in args.targets.split(",")] if args.targets else CONFIGS)
+        configs = ([(args.task, int(t), DEFAULTS.delay_optimizer_step, c)
+                    for t in args.targets.split(",") for c in args.compressions.split(",")]
+                   if args.targets else CONFIGS)
     except ValueError:
         parser.error(f"--targets {args.targets!r}: give global batches as whole numbers, like 4096,16384")
+    known = OptimizerOptions.model_fields["compression"].annotation.__args__
+    if any(c not in known for _, _, _, c in configs):
+        parser.error(f"--compressions {args.compressions!r}: choose from {', '.join(known)}")
     corpus = Path(tempfile.mkdtemp(prefix="dedloc-bench-corpus-"))
     write_corpus(corpus)
     rows = []
