@@ -93,8 +93,8 @@ def run_config(dpu: bool, strict: bool):
     from dedloc_common.contract import LOOPBACK_OPTIMIZER, OptimizerOptions, RunConfig
 
     options = dict(LOOPBACK_OPTIMIZER, **SWARM_TIMES, lr=LR, delay_optimizer_step=dpu, delay_grad_averaging=dpu)
-    if strict and "aggregation" in OptimizerOptions.model_fields:
-        options["aggregation"] = "mean"  # the claim is about plain averaging; robust aggregation clips
+    if strict:  # the claim is about plain averaging of float32 gradients: robust aggregation clips, fp16 rounds
+        options.update(aggregation="mean", compression="none")
     return RunConfig(slug="equivalence", run_id="equivalence", task="tiny-lm", target_batch_size=TARGET_BATCH,
                      batch_size=BATCH, seed=SEED, optimizer=OptimizerOptions(**options))
 
@@ -271,7 +271,8 @@ def measure(mode: str, dpu: bool, epochs: int, timeout: float) -> dict:
              for i in range(PEERS)]
     options = run_config(dpu, strict).optimizer
     row = dict(mode=mode, peers=PEERS, dpu=dpu, steps=epochs, batch_size=BATCH, target_batch_size=TARGET_BATCH,
-               lr=LR, aggregation=getattr(options, "aggregation", "mean"), matchmaking_time=options.matchmaking_time)
+               lr=LR, aggregation=options.aggregation, compression=options.compression,
+               matchmaking_time=options.matchmaking_time)
     try:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and any(proc.poll() is None for proc in procs):
@@ -318,17 +319,19 @@ def markdown(rows: list[dict]) -> str:
              f"{BATCH}, AdamW lr {LR}, against one process replaying the same mini-batches per step. Loss gap: mean "
              "(max) |swarm - reference| of", "the per-step loss, the reference computing each mini-batch at the parameters' version", "the swarm computed it at "
              "(with delayed updates a step's first mini-batches are one version behind: stale); vs fresh: against "
-             "training without delay. strict: no delayed updates, plain mean, deterministic "
-             "kernels. Rounds formed: steps whose gradient round held both peers", "(not checked with delayed updates, "
+             "training without delay. strict: no delayed updates, plain mean, float32 gradients, deterministic "
+             "kernels; the curves compress gradients as the run's default does (the reference averages float32).",
+             "Rounds formed: steps whose gradient round held both peers (not checked with delayed updates, "
              "whose rounds close in the background). Method: docs/benchmarks.md#equivalence.", "",
-             "| mode | dpu | steps | rounds formed | loss first -> last | loss gap mean | loss gap max | "
+             "| mode | dpu | compression | steps | rounds formed | loss first -> last | loss gap mean | loss gap max | "
              "stale batches | loss gap vs fresh | params diff, last step | params diff, max | dropped batches | run |",
-             "| --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             "| --- | --- | --- | ---: | ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['mode']} | {'on' if r['dpu'] else 'off'} | error: {r['error'][:80]} |")
             continue
-        lines.append(f"| {r['mode']} | {'on' if r['dpu'] else 'off'} | {r['compared_steps']} | "
+        lines.append(f"| {r['mode']} | {'on' if r['dpu'] else 'off'} | {r.get('compression', 'none')} | "
+                     f"{r['compared_steps']} | "
                      f"{'-' if r['dpu'] else r['rounds_formed']} | {r['first_loss']:.3f} -> {r['last_loss']:.3f} | "
                      f"{r['loss_gap']:.4f} | {r['loss_gap_max']:.4f} | {r['stale_batches']} | "
                      f"{r['loss_gap_vs_fresh']:.4f} | {r['param_diff_last_step']:.1e} | "
