@@ -31,6 +31,8 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
     before the next round begins (``AccountedOptimizer.rounds_over``), not at the epoch's end.
 18. ``Optimizer.shutdown`` waits up to the averaging timeout for a round it tags along with; a leaving
     ``AccountedOptimizer`` waits ``LEAVE_GRACE``.
+20. A state round scheduled ahead of its step coincided with a lost gradient round at every state-averaging step of
+    some runs: ``AccountedOptimizer._maybe_schedule_state_averaging`` schedules none.
 """
 
 from __future__ import annotations
@@ -276,6 +278,11 @@ class AccountedOptimizer(hivemind.Optimizer):
         return ThrottledProgressTracker(dht=self.dht, prefix=self.run_id, target_batch_size=target_batch_size,
                                         client_mode=self.client_mode, status_loglevel=self.status_loglevel,
                                         start=True, **kwargs)
+
+    def _maybe_schedule_state_averaging(self) -> None:
+        """Never ahead of its step: a state round's matchmaking scheduled ahead made the gradient round of every
+        state-averaging step start ~2 s apart at two peers, lost at both (docs/hivemind.md#pitfalls, 20). hivemind
+        then matches the state round in that step's background work, beside its gradient round."""
 
     def collect_rounds(self) -> None:
         """Take the last epoch's receipts if its round has ended (call between mini-steps)."""
