@@ -280,9 +280,10 @@ class AccountedOptimizer(hivemind.Optimizer):
                                         start=True, **kwargs)
 
     def _maybe_schedule_state_averaging(self) -> None:
-        """Never ahead of its step: a state round's matchmaking scheduled ahead made the gradient round of every
-        state-averaging step start ~2 s apart at two peers, lost at both (docs/hivemind.md#pitfalls, 20). hivemind
-        then matches the state round in that step's background work, beside its gradient round."""
+        """Never ahead of its step: with the state round's matchmaking scheduled ahead, in some runs the gradient
+        round of every state-averaging step started ~2 s apart at two peers and was lost at both; unscheduled, in
+        none of five (docs/hivemind.md#pitfalls, 20). hivemind then matches the state round in that step's
+        background work, beside its gradient round."""
 
     def collect_rounds(self) -> None:
         """Take the last epoch's receipts if its round has ended (call between mini-steps)."""
