@@ -128,9 +128,9 @@ def test_a_leaving_peer_cancels_its_open_state_round_instead_of_waiting_it_out(t
 
 
 def test_a_state_round_is_never_scheduled_ahead_of_its_step(two_dhts):
-    """Pitfall 20: a state round scheduled ahead of its step made the gradient round of every state-averaging step
-    start ~2 s apart at two peers, lost at both. Where hivemind's Optimizer schedules one (a state-averaging step
-    due within the matchmaking time), the worker's does not."""
+    """Pitfall 20: with state rounds scheduled ahead of their step, in some runs the gradient round of every
+    state-averaging step started ~2 s apart at two peers, lost at both. Where hivemind's Optimizer schedules one (a
+    state-averaging step due within the matchmaking time), the worker's does not."""
     import hivemind
     from hivemind.utils import get_dht_time
 

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Callable, Optional
 
-from dedloc_common.contract import LinkReport, PlanRecord
+from dedloc_common.contract import LinkReport, OptimizerOptions, PlanRecord
 from .records import read_plan
 
 ROUND_QUERY_TIMEOUT = 2.0  # seconds to wait for the averager process to say how its last round went
@@ -151,10 +151,11 @@ def group_bits_for(plan: PlanRecord, peer_id: str) -> str:
 # Bytes one gradient element takes on the wire under each of the run's compressions (uint8: hivemind's quantization
 # adds a 256-entry codebook per part, under 1% of a 128 KiB part).
 WIRE_BYTES = {"none": 4, "fp16": 2, "uint8": 1}
+DEFAULT_COMPRESSION = OptimizerOptions().compression
 
 
 def link_report(measured: Optional[tuple[float, float]], params, client_mode: bool, aux: bool,
-                measured_at: Optional[float] = None, compression: str = "none") -> LinkReport:
+                measured_at: Optional[float] = None, compression: str = DEFAULT_COMPRESSION) -> LinkReport:
     """The initial report: measured (upload, download) bytes/s or None (taken at ``measured_at``, unix seconds;
     now if not given), and the averaged vector's size on the wire under the run's gradient ``compression``."""
     upload, download = measured or (0.0, 0.0)
