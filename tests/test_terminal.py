@@ -7,6 +7,8 @@ import asyncio
 import gc
 import io
 import logging
+import subprocess
+import sys
 
 import pytest
 from dedloc_worker.terminal import BROKE_OFF, ExpectedEvents, ShutdownNoise
@@ -72,3 +74,28 @@ def test_a_stream_writer_that_lost_its_peer_is_not_reported_but_a_fault_is():
     assert never_retrieved(ConnectionResetError("Connection lost")) == ""
     text = never_retrieved(TypeError("a fault in our code"))
     assert "Task exception was never retrieved" in text and "TypeError: a fault in our code" in text
+
+
+# A fresh process each: torch says this warning once per process.
+QUANTIZE = """
+import sys, torch
+from dedloc_worker.terminal import quiet
+from hivemind.compression import CompressionInfo, Uniform8BitQuantization
+quiet(verbose=sys.argv[1] == "verbose")
+gradient = torch.randn(1000)
+print(len(Uniform8BitQuantization().compress(gradient, CompressionInfo.from_tensor(gradient)).buffer))
+"""
+
+
+def uint8_terminal(mode: str) -> tuple[str, str]:
+    """What a worker's process prints as hivemind's uint8 compression compresses a gradient: (stdout, stderr)."""
+    done = subprocess.run([sys.executable, "-c", QUANTIZE, mode], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    return done.stdout, done.stderr
+
+
+def test_uint8_compression_deprecation_is_not_shown_unless_verbose():
+    _, verbose = uint8_terminal("verbose")
+    assert "quantize_per_tensor" in verbose  # control: torch 2.13 warns
+    compressed, quiet = uint8_terminal("quiet")
+    assert int(compressed) > 1000 and "quantize_per_tensor" not in quiet  # it still compressed, silently

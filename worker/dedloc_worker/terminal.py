@@ -1,5 +1,6 @@
 """A quiet terminal: hivemind's messages about expected events (a round that did not form, a part that arrived
-late, a peer that left) become one line that says what happens next; its shutdown noise is dropped.
+late, a peer that left) become one line that says what happens next; its shutdown noise is dropped, and so is
+torch's deprecation warning for what uint8 compression calls.
 ``--verbose`` keeps everything as hivemind writes it.
 
 Installed before the DHT and the averagers start: their processes are forked from this one and inherit it.
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import re
+import warnings
 
 BROKE_OFF = ("an averaging round broke off (a peer left or stopped answering); this step uses this peer's own "
              "gradients, and the next round tries again")
@@ -32,6 +34,9 @@ EXPECTED = [
 SHUTDOWN_NOISE = re.compile(r"Task was destroyed but it is pending|cannot reuse already awaited coroutine|"
                             r"Unhandled exception in client_connected_cb|"
                             r"Can't set_result to a future that is CANCELLED")
+# hivemind's uint8 compression calls torch.quantize_per_tensor, which torch 2.13 deprecates; it still works, and
+# nothing a volunteer does would change it.
+DEPRECATED_QUANTIZE = r"torch\.quantize_per_tensor"
 
 
 def peer_failure(error: BaseException | None) -> bool:
@@ -96,6 +101,7 @@ def quiet(verbose: bool = False) -> None:
     """Install the filters on hivemind's log handler and on asyncio's logger; ``verbose`` installs nothing."""
     if verbose:
         return
+    warnings.filterwarnings("ignore", message=DEPRECATED_QUANTIZE, category=UserWarning)
     from hivemind.utils.logging import get_logger
 
     get_logger("hivemind")  # hivemind creates its handler on first use
