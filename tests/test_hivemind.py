@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import gc
 import time
 
@@ -127,30 +128,42 @@ def test_a_leaving_peer_cancels_its_open_state_round_instead_of_waiting_it_out(t
     assert running and all(control.cancelled() for control in running), running
 
 
-def test_a_state_round_is_never_scheduled_ahead_of_its_step(two_dhts):
-    """Pitfall 20: with state rounds scheduled ahead of their step, in some runs the gradient round of every
-    state-averaging step started ~2 s apart at two peers, lost at both. Where hivemind's Optimizer schedules one (a
-    state-averaging step due within the matchmaking time), the worker's does not."""
+def scheduled_ahead(opt, every: int) -> tuple[bool, bool]:
+    """Whether the worker's optimizer, then hivemind's, schedules a state round ahead where the next step, due now,
+    averages state and state is averaged every ``every`` steps."""
     import hivemind
     from hivemind.utils import get_dht_time
 
+    opt.average_state_every = every
+    opt.tracker.global_progress.epoch = every  # the swarm's next step is the state-averaging one
+    opt.delay_before_state_averaging.update(task_size=1, interval=0.0)  # hivemind schedules only with an estimate
+    found = []
+    for schedule in (opt._maybe_schedule_state_averaging,
+                     functools.partial(hivemind.Optimizer._maybe_schedule_state_averaging, opt)):
+        opt.tracker.global_progress.eta_next_epoch = get_dht_time()  # and the step is due now
+        schedule()
+        found.append(opt.scheduled_state is not None)
+        if opt.scheduled_state is not None:
+            opt.scheduled_state.cancel()
+            opt.scheduled_state = None
+    return found[0], found[1]
+
+
+def test_a_periodic_state_round_is_not_scheduled_ahead_of_its_step(two_dhts):
+    """Pitfall 20: with periodic state rounds scheduled ahead of their step, in some runs the gradient round of every
+    state-averaging step started ~2 s apart at two peers, lost at both. Where hivemind's Optimizer schedules one (a
+    state-averaging step due within the matchmaking time), the worker's does not; where state is averaged at every
+    step (a swarm larger than one group), it does, as hivemind."""
     server, _ = two_dhts
     opt = create_optimizer(server, tiny_config(), torch.nn.Linear(4, 1).parameters(), client_mode=False)
     try:
-        opt.average_state_every = 1  # the next step averages state
-        opt.delay_before_state_averaging.update(task_size=1, interval=0.0)  # hivemind schedules only with an estimate
-        opt.tracker.global_progress.eta_next_epoch = get_dht_time()  # and the step is due now
-        opt._maybe_schedule_state_averaging()
-        ours = opt.scheduled_state
-        opt.tracker.global_progress.eta_next_epoch = get_dht_time()
-        hivemind.Optimizer._maybe_schedule_state_averaging(opt)
-        hivemind_s = opt.scheduled_state
-        if hivemind_s is not None:
-            hivemind_s.cancel()
+        periodic = scheduled_ahead(opt, every=10)
+        every_step = scheduled_ahead(opt, every=1)
     finally:
         opt.shutdown()
-    assert hivemind_s is not None, "hivemind would not have scheduled one either: the check proves nothing"
-    assert ours is None
+    # hivemind schedules one in both: otherwise the checks prove nothing
+    assert periodic == (False, True)
+    assert every_step == (True, True)
 
 
 def test_signed_records_are_readable_by_a_validating_reader_and_unforgeable(two_dhts):

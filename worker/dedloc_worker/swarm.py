@@ -32,7 +32,7 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
 18. ``Optimizer.shutdown`` waits up to the averaging timeout for a round it tags along with; a leaving
     ``AccountedOptimizer`` waits ``LEAVE_GRACE``.
 20. A state round scheduled ahead of its step coincided with a lost gradient round at every state-averaging step of
-    some runs: ``AccountedOptimizer._maybe_schedule_state_averaging`` schedules none.
+    some runs: ``AccountedOptimizer._maybe_schedule_state_averaging`` schedules periodic ones at their step.
 """
 
 from __future__ import annotations
@@ -280,10 +280,14 @@ class AccountedOptimizer(hivemind.Optimizer):
                                         start=True, **kwargs)
 
     def _maybe_schedule_state_averaging(self) -> None:
-        """Never ahead of its step: with the state round's matchmaking scheduled ahead, in some runs the gradient
+        """Periodic state rounds are never scheduled ahead of their step: so scheduled, in some runs the gradient
         round of every state-averaging step started ~2 s apart at two peers and was lost at both; unscheduled, in
         none of five (docs/hivemind.md#pitfalls, 20). hivemind then matches the state round in that step's
-        background work, beside its gradient round."""
+        background work, beside its gradient round. Where state is averaged at every step (a swarm larger than
+        one group, ``state_averaging_period``), that would add a matchmaking to every step's background work, so
+        hivemind's schedule stays."""
+        if self.average_state_every == 1:
+            super()._maybe_schedule_state_averaging()
 
     def collect_rounds(self) -> None:
         """Take the last epoch's receipts if its round has ended (call between mini-steps)."""
