@@ -111,8 +111,9 @@ def test_a_leaving_peer_cancels_its_open_state_round_instead_of_waiting_it_out(t
     averaging, its default) up to the averaging timeout when no partner is there to finish it; a leaving
     ``AccountedOptimizer`` cancels it once ``LEAVE_GRACE`` has passed since it was asked to leave."""
     server, _ = two_dhts
-    opt = create_optimizer(server, tiny_config(averaging_timeout=20.0), torch.nn.Linear(4, 1).parameters(),
-                           client_mode=False)
+    # A matchmaking time long enough that the round looks for partners until its deadline (matchmaking.LOOK_WINDOWS)
+    opt = create_optimizer(server, tiny_config(averaging_timeout=20.0, matchmaking_time=8.0),
+                           torch.nn.Linear(4, 1).parameters(), client_mode=False)
     try:
         # What the optimizer does at an epoch that averages state (hivemind starts it only with partners around)
         opt.state_averager.step(averaging_round=True, delay_averaging=True,
@@ -126,6 +127,29 @@ def test_a_leaving_peer_cancels_its_open_state_round_instead_of_waiting_it_out(t
         opt.shutdown()
     # Waited out, the round would have ended with the timeout's error instead.
     assert running and all(control.cancelled() for control in running), running
+
+
+def test_a_leaving_peer_does_not_cancel_a_round_twice(two_dhts):
+    """A round this peer cancelled (``_wait_or_leave``, the leave timer) can still read as looking for its group when
+    hivemind's shutdown cancels what is looking: cancelled twice, it raised out of the worker's exit."""
+    from concurrent.futures import InvalidStateError
+
+    from hivemind.averaging.control import AveragingStage
+
+    server, _ = two_dhts
+    opt = create_optimizer(server, tiny_config(), torch.nn.Linear(4, 1).parameters(), client_mode=False)
+    try:
+        control = opt.scheduled_grads = opt.grad_averager.schedule_step(timeout=opt.averaging_timeout)
+        control.cancel()
+        deadline = time.monotonic() + 10
+        while control.stage != AveragingStage.FINISHED and time.monotonic() < deadline:
+            time.sleep(0.02)
+        control.stage = AveragingStage.LOOKING_FOR_GROUP  # as read before the averager's process marked it
+        with pytest.raises(InvalidStateError):
+            control.cancel()  # what hivemind's shutdown does with it
+    finally:
+        opt.shutdown()  # raises the same if it cancels it again
+    assert control.cancelled()
 
 
 def scheduled_ahead(opt, every: int) -> tuple[bool, bool]:

@@ -68,3 +68,46 @@ def test_a_workers_averagers_are_built_with_the_paced_matchmaking():
         averager_module.Matchmaking = original
         gc.collect()
     assert READS_PER_WINDOW >= 2
+
+
+def late_partner(matchmaking: type) -> tuple[BaseException | None, bool, bool]:
+    """Peer A looks for a group alone (round due in 0.5 s, deadline 10 s); peer B's round starts 3 s later, as a
+    partner's round of the next epoch does. With ``matchmaking`` in both averagers: how A's round ended, whether it
+    had ended before B's began, and whether A and B averaged together."""
+    original = averager_module.Matchmaking
+    averager_module.Matchmaking = matchmaking  # the averagers' processes fork with it
+    first = create_dht([], "/ip4/127.0.0.1/tcp/0", client_mode=False)
+    second = create_dht([str(a) for a in first.get_visible_maddrs()], "/ip4/127.0.0.1/tcp/0", client_mode=False)
+    averagers = []
+    try:
+        for dht in (first, second):
+            averagers.append(averager_module.DecentralizedAverager(
+                [torch.zeros(8)], dht, prefix="look-test", target_group_size=2, min_matchmaking_time=0.5,
+                request_timeout=0.5, start=True))
+        a, b = averagers
+        round_a = a.step(wait=False, timeout=10.0)
+        time.sleep(3.0)
+        ended_before = round_a.done()
+        round_b = b.step(wait=False, timeout=10.0)
+        error_a = round_a.exception(timeout=15.0)
+        error_b = round_b.exception(timeout=15.0)
+        together = error_a is None and error_b is None and len(round_a.result()) == 2
+        return error_a, ended_before, together
+    finally:
+        for averager in averagers:
+            averager.shutdown()
+        for dht in (second, first):
+            dht.shutdown()
+        averager_module.Matchmaking = original
+        gc.collect()
+
+
+def test_a_round_that_missed_its_group_ends_instead_of_taking_the_next_epochs_round():
+    """docs/hivemind.md#pitfalls, 22: looking until its deadline, a round left alone forms with its partner's next
+    round, and the peer stays a round behind for the rest of the run."""
+    error, ended_before, together = late_partner(Matchmaking)
+    assert together and error is None and not ended_before, error  # control: hivemind's round takes the late one
+    error, ended_before, together = late_partner(PacedMatchmaking)
+    assert not together
+    assert "could not find a group" in str(error), error
+    assert ended_before  # given up within its window (1.5 s), before the partner's next round began

@@ -31,8 +31,9 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
     before the next round begins (``AccountedOptimizer.rounds_over``), not at the epoch's end.
 18. ``Optimizer.shutdown`` waits up to the averaging timeout for a round it tags along with; a leaving
     ``AccountedOptimizer`` waits ``LEAVE_GRACE``.
-20. A state round scheduled ahead of its step coincided with a lost gradient round at every state-averaging step of
-    some runs: ``AccountedOptimizer._maybe_schedule_state_averaging`` schedules periodic ones at their step.
+20. Periodic state rounds are not scheduled ahead: ``AccountedOptimizer._maybe_schedule_state_averaging``.
+22. A round that missed its group forms with the partners' next round, for good: ``matchmaking.PacedMatchmaking``
+    gives up on it; ``AccountedOptimizer._shutdown_as_hivemind`` does not cancel a round twice.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import gc
 import signal
 import threading
 import time
+from concurrent.futures import InvalidStateError
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Sequence
 
@@ -280,12 +282,11 @@ class AccountedOptimizer(hivemind.Optimizer):
                                         start=True, **kwargs)
 
     def _maybe_schedule_state_averaging(self) -> None:
-        """Periodic state rounds are never scheduled ahead of their step: so scheduled, in some runs the gradient
-        round of every state-averaging step started ~2 s apart at two peers and was lost at both; unscheduled, in
-        none of five (docs/hivemind.md#pitfalls, 20). hivemind then matches the state round in that step's
-        background work, beside its gradient round. Where state is averaged at every step (a swarm larger than
-        one group, ``state_averaging_period``), that would add a matchmaking to every step's background work, so
-        hivemind's schedule stays."""
+        """Periodic state rounds are not scheduled ahead of their step (docs/hivemind.md#pitfalls, 20: first
+        thought to cause the parts lost at state-averaging steps, whose cause was pitfall 22); hivemind then matches
+        the state round in that step's background work, beside its gradient round. Where state is averaged at every
+        step (a swarm larger than one group, ``state_averaging_period``), that would add a matchmaking to every
+        step's background work, so hivemind's schedule stays."""
         if self.average_state_every == 1:
             super()._maybe_schedule_state_averaging()
 
@@ -315,9 +316,32 @@ class AccountedOptimizer(hivemind.Optimizer):
         cut.daemon = True
         cut.start()
         try:
-            super().shutdown()
+            self._shutdown_as_hivemind()
         finally:
             cut.cancel()
+
+    def _shutdown_as_hivemind(self) -> None:
+        """hivemind 1.1.12's ``Optimizer.shutdown``, leaving alone a round that is over already: hivemind cancels a
+        round still looking for its group, and one this peer cancelled meanwhile (``_wait_or_leave``), or that gave
+        up on its group (``matchmaking.LOOK_WINDOWS``), can still read as looking for a moment, and cancelled twice it
+        raised out of the worker's exit."""
+        from hivemind.averaging.control import AveragingStage
+
+        self.tracker.shutdown(self.shutdown_timeout)
+        self.state_averager.step(wait_for_delayed_updates=True)
+        for scheduled_round in self.scheduled_grads, self.scheduled_state:
+            if scheduled_round is None or scheduled_round.done():
+                continue
+            if scheduled_round.stage == AveragingStage.LOOKING_FOR_GROUP:
+                try:
+                    scheduled_round.cancel()
+                except InvalidStateError:  # cancelled meanwhile, by the leave timer above
+                    pass
+            else:
+                self._tag_along_with_zero_weight(scheduled_round)
+        self.state_averager.shutdown()
+        if self.use_gradient_averaging:
+            self.grad_averager.shutdown()
 
     def _average_gradients_and_load_into_optimizer(self, maybe_step_control) -> None:
         if maybe_step_control is not None:
