@@ -322,9 +322,9 @@ class AccountedOptimizer(hivemind.Optimizer):
 
     def _shutdown_as_hivemind(self) -> None:
         """hivemind 1.1.12's ``Optimizer.shutdown``, leaving alone a round that is over already: hivemind cancels a
-        round still looking for its group, and one this peer cancelled meanwhile (``_wait_or_leave``), or that gave
-        up on its group (``matchmaking.LOOK_WINDOWS``), can still read as looking for a moment, and cancelled twice it
-        raised out of the worker's exit."""
+        round still looking for its group, and one this peer cancelled meanwhile (``_wait_or_leave``, the leave
+        timer) can still read as looking for a moment; cancelled twice, it raised out of the worker's exit (once in
+        four training-bench runs)."""
         from hivemind.averaging.control import AveragingStage
 
         self.tracker.shutdown(self.shutdown_timeout)
