@@ -51,8 +51,9 @@ def test_mini_steps_within_a_period_are_reported_once_and_a_new_epoch_at_once(ma
     time.sleep(0.5)
     if time.monotonic() - started < PERIOD:  # still inside the period: the 49 mini-steps stored nothing
         assert reported(tracker) == (0, 16)
-    tracker.report_local_progress(1, 0)  # a new epoch is news: reported without waiting for the period
-    wait_for(lambda: reported(tracker) == (1, 0), PERIOD / 2, "the new epoch's report")
+    tracker.report_local_progress(1, 0)
+    tracker.report_local_progress(1, 16)  # a new epoch's first samples are news: reported without waiting
+    wait_for(lambda: reported(tracker) == (1, 16), PERIOD / 2, "the new epoch's report")
     time.sleep(PERIOD)
     # past the period, a mini-step far from what the report's rate predicts is reported
     tracker.report_local_progress(1, 32)
@@ -77,7 +78,30 @@ def test_steady_progress_is_not_reported_again_and_a_change_of_pace_is(make_trac
     # The schedule goes on at once: readers extrapolate from the report's time, so a pause here would be a stall.
     n = train(1, 40, n) - n  # 2 s at the reported pace
     wait_for(lambda: (reported(tracker) or (0, 0))[0] == 1, 10, "the new epoch's report")
-    assert reported(tracker) == (1, 0), "a report while the peer kept the pace it had reported"
+    assert reported(tracker) == (1, batch), "a report while the peer kept the pace it had reported"
     time.sleep(1.5)  # a stall: 480 samples behind what readers extrapolate
     tracker.report_local_progress(1, batch * (n + 1))
     wait_for(lambda: reported(tracker) == (1, batch * (n + 1)), 10, "the report after the stall")
+
+
+def test_a_new_epoch_is_stored_after_an_epoch_at_a_steady_pace(make_tracker):
+    """hivemind stores the record of a peer only if it last reported samples in this epoch or the one before (it
+    takes others for aux peers). A peer that kept its pace for a whole epoch reported only that epoch's start; had
+    that start carried 0 samples, the next epoch's report was dropped, and the others' estimate left out this peer's
+    samples until it drifted: epochs overshot the global batch by up to half."""
+    tracker = make_tracker(min_refresh_period=0.1, tolerance=240)
+    step, batch, start = 0.05, 16, time.monotonic()
+
+    def train(epoch: int, first: int, steps: int) -> int:
+        with tracker.pause_updates():
+            tracker.update_epoch(epoch)  # as hivemind's optimizer steps: the new epoch with 0 samples
+        for n in range(first, first + steps):
+            time.sleep(max(0.0, start + n * step - time.monotonic()))
+            tracker.report_local_progress(epoch, batch * (n + 1 - first))
+        return first + steps
+
+    n = train(1, 0, 20)  # the rate settles
+    n = train(2, n, 30)  # 1.5 s at the reported pace: one report, at the epoch's start
+    assert reported(tracker)[0] == 2, "the control: the steady epoch's start was stored"
+    train(3, n, 10)
+    wait_for(lambda: reported(tracker)[0] == 3, 5, "the report of the epoch after a steady one")

@@ -42,9 +42,10 @@ class _Report:
 
 
 class ThrottledProgressTracker(ProgressTracker):
-    """``ProgressTracker`` that reports at once when this peer's epoch changes or its samples go down (a new epoch, a
-    reset after an overflow or a state download); otherwise only when its samples are more than ``tolerance`` off
-    what the others extrapolate from its last report, and never twice within ``min_refresh_period`` seconds.
+    """``ProgressTracker`` that reports at once when this peer has its first samples of a new epoch or its samples
+    go down (a reset after an overflow or a state download); otherwise only when its samples are more than
+    ``tolerance`` off what the others extrapolate from its last report, and never twice within
+    ``min_refresh_period`` seconds.
     hivemind's reporter still renews the record before it expires.
 
     :param tolerance: samples; by default ``DRIFT`` of the global batch
@@ -60,10 +61,16 @@ class ThrottledProgressTracker(ProgressTracker):
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
         last, now = self._last_reported, get_dht_time()
-        news = local_epoch != last.epoch or samples_accumulated < last.samples
-        due = now - last.at >= self.min_refresh_period and \
-            abs(samples_accumulated - last.predicts(now)) > self.tolerance
-        self.should_report_progress.muted = quiet = not (news or due)
+        if local_epoch != last.epoch:
+            # hivemind stores a record only for a peer whose last report with samples was in the previous epoch
+            # or this one (others are aux peers). A peer that kept its pace reported no samples in its epoch, so
+            # the 0 of a new epoch would not be stored: the others would miss its samples and overshoot the batch.
+            quiet = samples_accumulated == 0
+        else:
+            due = now - last.at >= self.min_refresh_period and \
+                abs(samples_accumulated - last.predicts(now)) > self.tolerance
+            quiet = not (samples_accumulated < last.samples or due)
+        self.should_report_progress.muted = quiet
         try:
             super().report_local_progress(local_epoch, samples_accumulated, update_global_samples)
         finally:
