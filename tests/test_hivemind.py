@@ -152,6 +152,37 @@ def test_a_leaving_peer_does_not_cancel_a_round_twice(two_dhts):
     assert control.cancelled()
 
 
+def test_an_averager_leaving_with_a_round_under_way_ends_it_without_raising(two_dhts):
+    """hivemind keeps a running round as a future of its all-reduce runner, and its averager's shutdown called
+    ``finalize`` on that future: an averager that left with a round under way raised ``AttributeError`` out of its
+    process (docs/hivemind.md#pitfalls, 24)."""
+    import asyncio
+
+    from dedloc_worker.leaving import EndsRunningRounds
+    from hivemind.averaging import DecentralizedAverager
+
+    class Averager(EndsRunningRounds, DecentralizedAverager):
+        pass
+
+    _, client = two_dhts
+    outcomes = []
+    for averager_class in (DecentralizedAverager, Averager):  # the control first: hivemind's own shutdown
+        averager = averager_class([torch.zeros(4)], client, prefix="leaving", client_mode=True, start=False)
+
+        async def leave() -> str:
+            running = asyncio.get_running_loop().create_future()  # a round registered, its runner not built yet
+            averager._running_groups[b"group"] = running
+            try:
+                await averager._shutdown(timeout=1.0)
+            except AttributeError as error:
+                return f"raised {error}"
+            return "cancelled" if running.cancelled() else "left running"
+
+        outcomes.append(asyncio.run(leave()))
+    assert outcomes[0].startswith("raised"), outcomes
+    assert outcomes[1] == "cancelled"
+
+
 def scheduled_ahead(opt, every: int) -> tuple[bool, bool]:
     """Whether the worker's optimizer, then hivemind's, schedules a state round ahead where the next step, due now,
     averages state and state is averaged every ``every`` steps."""

@@ -28,7 +28,7 @@ from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils.asyncio import achain, anext, as_aiter, azip, enter_asynchronously
 
-from .leaving import ClosesReplica
+from .leaving import ClosesReplica, EndsRunningRounds
 from .robust import RobustPartReducer, RobustRule, notable_attestations
 from .state_sharing import DeclaresOnChange
 
@@ -245,7 +245,7 @@ class StreamingAllReduceRunner(CountingAllReduceRunner):
             await window.acquire()
 
 
-class PlannedAverager(ClosesReplica, DeclaresOnChange, DecentralizedAverager):
+class PlannedAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, DecentralizedAverager):
     """``DecentralizedAverager`` that aggregates the share of the vector a plan gives it (see the module doc).
 
     Without a plan it behaves exactly as hivemind's averager. Same arguments as ``DecentralizedAverager``, and:

@@ -5,7 +5,8 @@ timeout, though its partners are often leaving too (docs/hivemind.md#pitfalls, 1
 cancel that round instead. Each averager runs in a process of its own, talking to the DHT's p2pd through a replica of
 its P2P client, which listens on a Unix socket of its own (``/tmp/hivemind-p2pclient-<id>.sock``). hivemind 1.1.12
 never shuts that replica down: its socket file goes only in the replica's ``__del__``, which does not run as the
-process exits, so every averager left one file in /tmp (pitfall 19); ``ClosesReplica`` closes it.
+process exits, so every averager left one file in /tmp (pitfall 19); ``ClosesReplica`` closes it. hivemind's
+shutdown of an averager with a round under way raised out of its process (pitfall 24); ``EndsRunningRounds`` does not.
 """
 
 from __future__ import annotations
@@ -27,6 +28,23 @@ class ClosesReplica:
             replica = getattr(self, "_p2p", None)  # absent when the averager failed to start
             if replica is not None:
                 await replica.shutdown()
+
+
+class EndsRunningRounds:
+    """Mixin for a ``DecentralizedAverager`` subclass, listed before it: hivemind 1.1.12's ``_shutdown``, fixed.
+    hivemind keeps each running round as a future of its all-reduce runner, calls ``finalize`` on that future and
+    gathers what ``finalize`` returns (nothing), so an averager that shut down with a round under way raised
+    ``AttributeError`` out of its process (pitfall 24). Here a round whose runner exists is finalized (cancelled, as
+    hivemind means to) and one still waiting for its runner is cancelled."""
+
+    async def _shutdown(self, timeout: Optional[float]) -> None:
+        if not self.client_mode:
+            await self.remove_p2p_handlers(self._p2p, namespace=self.prefix)
+        for runner in self._running_groups.values():
+            if runner.done() and not runner.cancelled() and runner.exception() is None:
+                runner.result().finalize(cancel=True)
+            else:
+                runner.cancel()
 
 
 class RemembersRounds(DecentralizedAverager):

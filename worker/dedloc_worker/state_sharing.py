@@ -17,7 +17,7 @@ from typing import Optional
 
 from hivemind.optim.state_averager import TrainingStateAverager
 
-from .leaving import ClosesReplica, RemembersRounds
+from .leaving import ClosesReplica, EndsRunningRounds, RemembersRounds
 
 # Seconds between two renewals of the record for a priority change, at least: a loader picks the highest priority,
 # and every source's epoch is then at most this stale (the record's value, not the state it serves).
@@ -68,7 +68,7 @@ class DeclaresOnChange:
         event.request() if isinstance(event, _SetOnRequest) else event.set()
 
 
-class StateAverager(ClosesReplica, DeclaresOnChange, TrainingStateAverager, RemembersRounds):
+class StateAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, TrainingStateAverager, RemembersRounds):
     """hivemind's ``TrainingStateAverager``, declaring itself as a state source on its period and on a change."""
 
     @classmethod
