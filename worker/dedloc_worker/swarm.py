@@ -70,10 +70,16 @@ class _StaleRequestsDropped:
 
 
 class SwarmDHT(hivemind.DHT):
-    """hivemind's DHT that drops a request whose sender left before it was read (pitfall 14)."""
+    """hivemind's DHT that drops a request whose sender left before it was read (pitfall 14), and whose node reuses
+    a store's lookup (``dht_lookups``, pitfall 25)."""
 
     def run(self) -> None:  # in the DHT's own process
+        import hivemind.dht.dht
+
+        from .dht_lookups import RemembersNearest
+
         self._inner_pipe = _StaleRequestsDropped(self._inner_pipe)
+        hivemind.dht.dht.DHTNode = RemembersNearest  # the node hivemind's run creates, in this process only
         super().run()
 
     async def _drop_stale_request(self) -> None:
