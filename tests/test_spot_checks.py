@@ -218,7 +218,8 @@ def test_a_worker_sending_flipped_gradients_is_held_by_a_spot_check_and_an_hones
         return checks if checks.get("mallory") and len(checks.get("alice", [])) >= 2 else None
 
     checks = wait_for(both_checked, 90, "spot checks of both workers", interval=1.0)
-    assert [c.passed for c in checks["alice"]] == [True] * len(checks["alice"]), [c.evidence for c in checks["alice"]]
+    failed = [f"epoch {c.epoch}: {c.evidence}" for c in checks["alice"] if not c.passed]
+    assert not failed, "alice failed a check: " + "; ".join(failed)
     assert [c.passed for c in checks["mallory"]] == [False] * len(checks["mallory"])
     # each recomputed on the checked peer's own parameters: after a round one of them missed, alice's and mallory's
     # parted (an honest alice scored cosine +0.49 against mallory's parameters once)
