@@ -2,7 +2,7 @@
 
 hivemind's ``DHTNode.store_many`` looks up the nodes nearest to a key before every store: a find RPC to each of
 them, signed both ways, then the stores. A worker stores the same few keys every second or two (its progress, its
-matchmaking declarations), so a third of its DHT calls were those lookups, which found the same nodes each time
+matchmaking declarations), so about a third of its find RPCs were those lookups, finding the same nodes each time
 (docs/hivemind.md#pitfalls, 25). ``RemembersNearest`` keeps a store's lookup for ``LOOKUP_TTL`` seconds; lookups
 of other kinds (a get, the routing table's refresh) are hivemind's own.
 """
