@@ -34,6 +34,10 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
 20. Periodic state rounds are not scheduled ahead: ``AccountedOptimizer._maybe_schedule_state_averaging``.
 22. A round that missed its group forms with the partners' next round, for good: ``matchmaking.PacedMatchmaking``
     gives up on it; ``AccountedOptimizer._shutdown_as_hivemind`` does not cancel a round twice.
+23. A new epoch reported with 0 samples after a steady epoch is not stored: ``tracker.ThrottledProgressTracker``
+    reports it with its first samples.
+24. An averager's shutdown with a round under way raised: ``leaving.EndsRunningRounds`` (both averagers).
+25. Every store looks its key up again: ``SwarmDHT``'s node reuses a store's lookup (``dht_lookups``).
 """
 
 from __future__ import annotations
