@@ -104,6 +104,7 @@ class Settings:
     queue_ms: float = QUEUE_MS
     part_bytes: int = PART_BYTES
     sndbuf_bytes: int | None = None  # cap on the peers' TCP send buffers (tcp_wmem max); None: the kernel default
+    modes: tuple[str, ...] = MODES  # the modes to run (a subset for an experiment; the others read None)
 
 
 # --- network namespaces ------------------------------------------------------------------------------------------
@@ -400,7 +401,7 @@ def run_profile(name: str, profile: Profile, rounds: int, vector_bytes: int, net
             "tcp": [dict(cmd="tcp", volumes=[0 if j == i else round(vector_bytes * (plan.shares[a] + plan.shares[b]))
                                              for j, b in enumerate(ids)]) for i, a in enumerate(ids)],
         }
-        modes = [mode for mode in MODES if profile.ring or mode != "ring"]
+        modes = [mode for mode in net.modes if profile.ring or mode != "ring"]
         seconds: dict[str, list[float]] = {mode: [] for mode in modes}
         failed = {mode: {kind: 0 for kind in FAILURE_KINDS} for mode in modes}
         fractions: dict[str, list[float]] = {}
@@ -468,7 +469,7 @@ def result_row(name, profile, vector_bytes, rounds, seconds, failed, fractions, 
     for numerator, denominator in (("planner", "lower_bound"), ("planner", "equal"), ("hivemind", "equal"),
                                    ("equal", "lower_bound"), ("ring", "planner"),
                                    ("tcp", "lower_bound"), ("planner", "tcp")):
-        if row[numerator] and row[denominator]:
+        if row.get(numerator) and row.get(denominator):
             row[f"{numerator}_over_{denominator}"] = round(row[numerator] / row[denominator], 3)
     row.update(
         note=profile.note, scale=profile.scale, vector_bytes=vector_bytes, rounds=rounds,
@@ -536,6 +537,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help=f"hivemind's part_size_bytes, KiB, for every mode (default {PART_BYTES // 1024})")
     parser.add_argument("--peer-sndbuf-kib", type=int, help="cap the peers' TCP send buffers at this many KiB "
                         "(tcp_wmem max, a host setting; default: the kernel's own autotuning, up to 4 MiB)")
+    parser.add_argument("--mode", action="append", choices=MODES, help="mode to run (repeatable; default: all)")
     parser.add_argument("--quick", action="store_true", help="one 4 x 100 Mbit/s round of a 1 MB vector (tests)")
     parser.add_argument("--logs", type=Path, help="keep the peers' logs here (default: a temporary folder, "
                         "removed unless a round failed)")
@@ -556,7 +558,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             (name, PROFILES[name], args.rounds, VECTOR_BYTES) for name in args.profile or PROFILES]
         try:
             sndbuf = args.peer_sndbuf_kib * 1024 if args.peer_sndbuf_kib else None
-            rows = run_all(jobs, Settings(args.queue_ms, args.part_kib * 1024, sndbuf), args.logs)
+            modes = tuple(mode for mode in MODES if mode in args.mode) if args.mode else MODES
+            rows = run_all(jobs, Settings(args.queue_ms, args.part_kib * 1024, sndbuf, modes), args.logs)
         except KeyboardInterrupt:
             print("interrupted: the namespaces and peer processes of this run are removed")
             return 130
@@ -582,7 +585,7 @@ def run_all(jobs: list[tuple[str, Profile, int, int]], net: Settings | None = No
     rows, ok = [], False
     try:
         for name, profile, rounds, vector_bytes in jobs:
-            print(f"profile {name}: {rounds} round(s) of {', '.join(MODES)}", flush=True)
+            print(f"profile {name}: {rounds} round(s) of {', '.join(net.modes)}", flush=True)
             started = time.monotonic()
             rows.append(run_profile(name, profile, rounds, vector_bytes, net, logs))
             rows[-1]["wall_seconds"] = round(time.monotonic() - started, 1)
