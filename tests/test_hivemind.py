@@ -152,6 +152,32 @@ def test_a_leaving_peer_does_not_cancel_a_round_twice(two_dhts):
     assert control.cancelled()
 
 
+def test_a_leaving_peer_takes_its_next_round_out_of_matchmaking_at_once(two_dhts):
+    """Ctrl-C: the gradient round scheduled ahead, still looking for its group, is cancelled as the grace begins, so
+    that no group forms with a peer that is going (one that did formed during the grace, and the shutdown then waited
+    for its round as well: Ctrl-C took 2.9 s against 2.2 s)."""
+    from hivemind.averaging.control import AveragingStage
+
+    server, _ = two_dhts
+    # matchmaking long enough that the round still looks for partners when the peer leaves
+    opt = create_optimizer(server, tiny_config(matchmaking_time=8.0, averaging_timeout=20.0),
+                           torch.nn.Linear(4, 1).parameters(), client_mode=False)
+    try:
+        looking = opt.scheduled_grads = opt.grad_averager.schedule_step(timeout=opt.averaging_timeout)
+        deadline = time.monotonic() + 10
+        while looking.stage != AveragingStage.LOOKING_FOR_GROUP:
+            assert time.monotonic() < deadline, looking.stage
+            time.sleep(0.02)
+        time.sleep(0.5)
+        assert not looking.done(), "the round ended by itself: the check below would prove nothing"
+        asked = time.monotonic()
+        began = opt.begin_leaving()
+        assert looking.cancelled() and opt.leave.is_set()
+        assert asked <= began <= time.monotonic()
+    finally:
+        opt.shutdown()
+
+
 def test_an_averager_leaving_with_a_round_under_way_ends_it_without_raising(two_dhts):
     """hivemind keeps a running round as a future of its all-reduce runner, and its averager's shutdown called
     ``finalize`` on that future: an averager that left with a round under way raised ``AttributeError`` out of its

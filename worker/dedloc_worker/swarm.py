@@ -44,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import gc
+import math
 import signal
 import threading
 import time
@@ -379,16 +380,37 @@ class AccountedOptimizer(hivemind.Optimizer):
                 pass
             return
 
+    def begin_leaving(self) -> float:
+        """The peer stops training (Ctrl-C): its grace (``LEAVE_GRACE``) starts now, and the next gradient round,
+        scheduled ahead, fits in it. Still looking for its group, the round is cancelled, so that no group forms
+        with a peer that is going; with its group formed, it runs now with zero weight rather than after the
+        grace, which Ctrl-C then waited out twice (2.9 s). Returns when the grace began (``time.monotonic``)."""
+        from hivemind.averaging.control import AveragingStage
+
+        self.leave.set()
+        self.leave_seen_at = min(time.monotonic(), self.leave_seen_at or math.inf)
+        scheduled = self.scheduled_grads
+        if scheduled is not None and not scheduled.done():
+            if scheduled.stage in (AveragingStage.IDLE, AveragingStage.LOOKING_FOR_GROUP):
+                try:
+                    scheduled.cancel()
+                except InvalidStateError:  # it found its group meanwhile: shutdown tags along
+                    pass
+            elif not scheduled.triggered:
+                scheduled.weight = 0
+                scheduled.allow_allreduce()
+        return self.leave_seen_at
+
     def _tag_along_with_zero_weight(self, control) -> None:
         """hivemind joins a round this peer's group formed for with zero weight, and waits up to the averaging
-        timeout for it (60 s by default); a leaving peer waits at most ``LEAVE_GRACE``."""
+        timeout for it (60 s by default); a leaving peer waits until its grace ends."""
         if not self._leaving:
             return super()._tag_along_with_zero_weight(control)
         if not control.triggered:
             control.weight = 0
             control.allow_allreduce()
         try:
-            control.result(LEAVE_GRACE)
+            control.result(max(0.0, (self.leave_seen_at or time.monotonic()) + LEAVE_GRACE - time.monotonic()))
         except BaseException:  # the round failed or ran past the wait: either way this peer is leaving
             if not control.done():
                 control.cancel()

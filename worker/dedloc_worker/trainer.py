@@ -176,10 +176,10 @@ def train(
         # This peer's averager still holds parts of the last round that partners are receiving: leaving at once
         # would fail their round and split the model. A short grace lets it deliver them; the last claims are
         # published within it, once their rounds have ended (or as they stand at its end). It runs from when a
-        # round's wait saw the request to leave, if one did: an auxiliary peer's step spent it there. The optimizer's
-        # shutdown gives a state round still open what is left of it.
-        opt.leave_seen_at = min(time.monotonic(), opt.leave_seen_at or math.inf)
-        grace_ends = opt.leave_seen_at + LEAVE_GRACE
+        # round's wait saw the request to leave, if one did: an auxiliary peer's step spent it there. The next round,
+        # scheduled ahead, runs within it too (``begin_leaving``), and the optimizer's shutdown gives a state round
+        # still open what is left of it.
+        grace_ends = opt.begin_leaving() + LEAVE_GRACE
         while unsettled and len(opt.rounds_over) < len(unsettled) and time.monotonic() < grace_ends:
             time.sleep(0.05)
             opt.collect_rounds()
