@@ -383,8 +383,9 @@ class AccountedOptimizer(hivemind.Optimizer):
     def begin_leaving(self) -> float:
         """The peer stops training (Ctrl-C): its grace (``LEAVE_GRACE``) starts now, and the next gradient round,
         scheduled ahead, fits in it. Still looking for its group, the round is cancelled, so that no group forms
-        with a peer that is going; with its group formed, it runs now with zero weight rather than after the
-        grace, which Ctrl-C then waited out twice (2.9 s). Returns when the grace began (``time.monotonic``)."""
+        with a peer that is going; with its group formed, it runs now with zero weight, not after the grace as
+        hivemind's shutdown would run it (Ctrl-C took up to 3.0 s, docs/benchmarks.md#leaving). Returns when the
+        grace began (``time.monotonic``)."""
         from hivemind.averaging.control import AveragingStage
 
         self.leave.set()
