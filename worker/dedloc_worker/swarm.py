@@ -397,9 +397,8 @@ class AccountedOptimizer(hivemind.Optimizer):
                     scheduled.cancel()
                 except InvalidStateError:  # it found its group meanwhile: shutdown tags along
                     pass
-            elif not scheduled.triggered:
-                scheduled.weight = 0
-                scheduled.allow_allreduce()
+            else:
+                _run_with_zero_weight(scheduled)
         return self.leave_seen_at
 
     def _tag_along_with_zero_weight(self, control) -> None:
@@ -407,9 +406,7 @@ class AccountedOptimizer(hivemind.Optimizer):
         timeout for it (60 s by default); a leaving peer waits until its grace ends."""
         if not self._leaving:
             return super()._tag_along_with_zero_weight(control)
-        if not control.triggered:
-            control.weight = 0
-            control.allow_allreduce()
+        _run_with_zero_weight(control)
         try:
             control.result(max(0.0, (self.leave_seen_at or time.monotonic()) + LEAVE_GRACE - time.monotonic()))
         except BaseException:  # the round failed or ran past the wait: either way this peer is leaving
@@ -427,6 +424,14 @@ class AccountedOptimizer(hivemind.Optimizer):
         self.finished_epochs.append(FinishedEpoch(self.local_epoch - 1, samples))
         self._round_running = True
         self.collect_rounds()  # without delayed updates the round is over already
+
+
+def _run_with_zero_weight(control) -> None:
+    """Let a round this peer's group formed for run now, this peer's gradients weighing nothing (as hivemind's
+    ``_tag_along_with_zero_weight`` begins)."""
+    if not control.triggered:
+        control.weight = 0
+        control.allow_allreduce()
 
 
 def inner_optimizer(options):
