@@ -321,9 +321,8 @@ class AccountedOptimizer(hivemind.Optimizer):
         self.leave.set()
         # hivemind's shutdown first waits for the delayed update, and with it for a state-averaging round running
         # in the background, up to the averaging timeout: one whose partners left too ends at LEAVE_GRACE instead.
-        now = time.monotonic()
-        self.leave_seen_at = self.leave_seen_at or now
-        cut = threading.Timer(max(0.0, self.leave_seen_at + LEAVE_GRACE - now), self.state_averager.cancel_open_rounds)
+        self.leave_seen_at = self.leave_seen_at or time.monotonic()
+        cut = threading.Timer(self._grace_left(), self.state_averager.cancel_open_rounds)
         cut.daemon = True
         cut.start()
         try:
@@ -401,6 +400,10 @@ class AccountedOptimizer(hivemind.Optimizer):
                 _run_with_zero_weight(scheduled)
         return self.leave_seen_at
 
+    def _grace_left(self) -> float:
+        """Seconds left of a leaving peer's grace, from when it first saw the request to leave (now if not yet)."""
+        return max(0.0, (self.leave_seen_at or time.monotonic()) + LEAVE_GRACE - time.monotonic())
+
     def _tag_along_with_zero_weight(self, control) -> None:
         """hivemind joins a round this peer's group formed for with zero weight, and waits up to the averaging
         timeout for it (60 s by default); a leaving peer waits until its grace ends."""
@@ -408,7 +411,7 @@ class AccountedOptimizer(hivemind.Optimizer):
             return super()._tag_along_with_zero_weight(control)
         _run_with_zero_weight(control)
         try:
-            control.result(max(0.0, (self.leave_seen_at or time.monotonic()) + LEAVE_GRACE - time.monotonic()))
+            control.result(self._grace_left())
         except BaseException:  # the round failed or ran past the wait: either way this peer is leaving
             if not control.done():
                 control.cancel()
