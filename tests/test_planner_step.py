@@ -239,6 +239,19 @@ def test_profiles_carry_measured_compute_and_what_aggregating_costs_a_cpu_peer()
     assert aux.samples_per_second == 0.0  # an auxiliary peer trains nothing, whatever its record says
 
 
+def test_a_peer_that_has_not_measured_its_rate_yet_is_planned_at_the_median_trainers():
+    link = LinkReport(upload_bps=1e6, download_bps=2e6)
+    aux = LinkReport(upload_bps=1e6, download_bps=1e6, aux=True)
+    seen = [LinkSeen("k1", "p1", "alice", link, "cpu: 1 threads", 100.0),
+            LinkSeen("k2", "p2", "bob", link, "cpu: 1 threads", 300.0),
+            LinkSeen("k3", "p3", "carol", link, "cpu: 1 threads", 200.0),
+            LinkSeen("k4", "p4", "dave", aux, "cpu: 2", 9000.0),  # an aux peer's record is no trainer's rate
+            LinkSeen("k5", "p5", "erin", link, "cpu: 1 threads", 0.0)]  # just joined: its record has no rate yet
+    assert [p.samples_per_second for p in profiles_of(seen)] == [100.0, 300.0, 200.0, 0.0, 200.0]
+    # nobody measured yet: nothing to go by
+    assert [p.samples_per_second for p in profiles_of([seen[4]])] == [0.0]
+
+
 # --- which link figures the planner uses: the portal probe's or a round's ---------------------------------------
 
 NOW = 1_750_000_000.0  # unix seconds, the clock workers date rounds and measurements with

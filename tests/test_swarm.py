@@ -102,6 +102,10 @@ def test_three_workers_two_of_them_liars_follow_the_plan_average_exactly_and_are
         deployment.start_worker(name, "--max-epochs", "9", script=[str(LIAR), lie, *witness])
     wait_for(lambda: all("the run is paused" in (deployment.logs / f"{name}.log").read_text() for name in workers[1:]),
              120, "bob and carol to join the paused run")
+    # and until the coordinator has planned for all three (a worker's first record, published as it joins, carries
+    # its link), so that rounds under the plan come from the first epochs: a fast machine's 2 s epochs otherwise ran
+    # out before a plan reached them
+    wait_for(lambda: any(len(plan) == 3 for plan in deployment.plans()), 60, "a plan naming all three")
     deployment.set_state("active")
     for name in workers:
         assert deployment.wait_exit(name, timeout=240) == 0, (deployment.logs / f"{name}.log").read_text()[-3000:]

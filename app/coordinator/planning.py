@@ -88,16 +88,21 @@ class LinkSeen:
 
 def profiles_of(peers: Sequence[LinkSeen], now: Optional[float] = None) -> list[PeerProfile]:
     """The planner's view of the peers with a figure for their link (the others keep hivemind's split): their
-    bandwidths (``link_figures`` at ``now``, unix seconds, default the current time), their measured compute, and
-    for a peer that trains on its CPU, what aggregating costs its training."""
+    bandwidths (``link_figures`` at ``now``, unix seconds, default the current time), their measured compute (the
+    median trainer's for one that has not measured its own yet), and for a peer that trains on its CPU, what
+    aggregating costs its training."""
     now = time.time() if now is None else now
     profiles = []
+    # A peer that has just joined reports its link before its first epoch, without a rate yet: it is planned as
+    # fast as the swarm's median trainer (0 costs its aggregating nothing and would load it up until the next plan).
+    rates = [peer.samples_per_second for peer in peers if not peer.link.aux and peer.samples_per_second > 0]
+    typical = statistics.median(rates) if rates else 0.0
     for peer in peers:
         upload, download, _ = link_figures(peer.link, now)
         if upload > 0 and download > 0:
-            profiles.append(PeerProfile(peer.peer_id, 0.0 if peer.link.aux else peer.samples_per_second, upload,
-                                        download, client_mode=peer.link.client_mode, aux=peer.link.aux,
-                                        **cpu_cost(peer.hardware)))
+            rate = 0.0 if peer.link.aux else peer.samples_per_second or typical
+            profiles.append(PeerProfile(peer.peer_id, rate, upload, download, client_mode=peer.link.client_mode,
+                                        aux=peer.link.aux, **cpu_cost(peer.hardware)))
     return profiles
 
 

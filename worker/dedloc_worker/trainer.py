@@ -122,10 +122,14 @@ def train(
     tally = open_epoch(task, config, peer_key, opt.local_epoch)
     run_over = paused = False
     unsettled: deque = deque()  # claims of finished epochs whose rounds are still running (delayed updates)
-    link = None
+    link = follower.link if follower else None
     # an auxiliary peer counts as online while its record is fresh (metadata_expiration): it is stored well within
     publisher = MetricsPublisher(functools.partial(publish_metrics, dht, config.run_id, signature),
                                  interval=min(METRICS_INTERVAL, config.optimizer.metadata_expiration / 3))
+    # The first record goes out now, not after the first epoch: with the link measured at join in it, the
+    # coordinator plans with this peer epochs sooner (in a swarm of 2 s epochs a joiner's first planned round came
+    # some six epochs after its join, and under a fast machine's suite none did).
+    publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
     try:
         while not stop.is_set():
             target = watch.target_epochs if watch is not None else config.target_epochs
@@ -286,10 +290,12 @@ def metrics_record(username: str, opt, contributions, addrs: List[str], hardware
                    link: Optional[LinkReport] = None, reachability: str = "") -> MetricsRecord:
     from hivemind.utils import get_dht_time
 
+    ema = opt.tracker.performance_ema
     return MetricsRecord(
         username=username,
         epoch=opt.local_epoch,
-        samples_per_second=float(opt.tracker.performance_ema.samples_per_second),
+        # 0 until measured (hivemind starts the estimate at 1e-20): the coordinator plans a peer without a rate
+        samples_per_second=float(ema.samples_per_second) if ema.num_updates else 0.0,
         time=get_dht_time(),
         recent=list(contributions),
         addrs=addrs,
