@@ -7,6 +7,10 @@ the same, yet each renewal is a signed DHT store to the peers that hold it. In a
 7-8 stores a second per worker, more than the rest of its DHT traffic together (docs/hivemind.md#pitfalls, 15).
 The priority itself changes at every epoch (seconds apart in a fast swarm); a loader only needs it roughly current,
 so renewals for it are spaced by ``PRIORITY_SPACING`` at least.
+
+A download of the state is checked before it is loaded (``ChecksDownloads``): hivemind's download stream has no end
+marker, and one cut short at a tensor boundary (seen about once in 400 downloads from a busy peer) reads as a shorter
+state, which hivemind 1.1.12 then fails to load with a traceback, or skips while believing it loaded.
 """
 
 from __future__ import annotations
@@ -15,9 +19,13 @@ import asyncio
 import time
 from typing import Optional
 
+from hivemind.averaging import DecentralizedAverager
 from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils import get_logger
 
 from .leaving import ClosesReplica, EndsRunningRounds, RemembersRounds
+
+logger = get_logger(__name__)
 
 # Seconds between two renewals of the record for a priority change, at least: a loader picks the highest priority,
 # and every source's epoch is then at most this stale (the record's value, not the state it serves).
@@ -68,8 +76,40 @@ class DeclaresOnChange:
         event.request() if isinstance(event, _SetOnRequest) else event.set()
 
 
-class StateAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, TrainingStateAverager, RemembersRounds):
-    """hivemind's ``TrainingStateAverager``, declaring itself as a state source on its period and on a change."""
+class ChecksDownloads(DecentralizedAverager):
+    """Base for a ``TrainingStateAverager`` subclass, listed after it: a downloaded state that lacks tensors its
+    metadata names is dropped with one line, as a failed download is, and the optimizer downloads again at its next
+    step. (One cut inside a tensor already fails hivemind's deserialization, as a failed download.)"""
+
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
+        loaded = super().load_state_from_peers(wait=wait, timeout=timeout)
+        if not wait or loaded is None:
+            return loaded
+        metadata, tensors = loaded
+        expected = expected_tensors(self, metadata)
+        if expected != len(tensors):
+            of = "" if expected is None else f" of {expected}"
+            logger.warning(f"the training state downloaded from a peer was incomplete ({len(tensors)}{of} tensors); "
+                           "downloading it again")
+            return None
+        return loaded
+
+
+def expected_tensors(averager: TrainingStateAverager, metadata) -> Optional[int]:
+    """How many tensors a state with ``metadata`` holds for ``averager``'s model and optimizer (the order of
+    ``TrainingStateAverager.get_current_state``); None for metadata that is not a state's."""
+    entries = metadata.get("optimizer_metadata") if isinstance(metadata, dict) else None
+    if not isinstance(entries, list):
+        return None
+    parameters = sum(len(group["params"]) for group in averager.optimizer.param_groups)
+    return parameters + len(averager.extra_tensors) + sum(
+        1 for entry in entries if isinstance(entry, dict) and entry.get("type") == "tensor")
+
+
+class StateAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, TrainingStateAverager, ChecksDownloads,
+                    RemembersRounds):
+    """hivemind's ``TrainingStateAverager``, declaring itself as a state source on its period and on a change, and
+    loading only a whole download."""
 
     @classmethod
     def _get_handle_name(cls, namespace, method_name: str) -> str:
