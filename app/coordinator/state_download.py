@@ -19,9 +19,13 @@ from hivemind.utils.asyncio import aiter_with_timeout
 from hivemind.utils.streaming import combine_from_streaming
 
 from dedloc_worker.leaving import ClosesReplica
+from dedloc_worker.state_sharing import ChecksDownloads
 
 
-class PeerStateAverager(ClosesReplica, TrainingStateAverager):
+class PeerStateAverager(ClosesReplica, TrainingStateAverager, ChecksDownloads):
+    """The checkpointer's averager: loads only a whole download (``ChecksDownloads``), and downloads one named peer's
+    state on request."""
+
     @classmethod
     def get_stub(cls, p2p, peer, *, namespace=None):
         # handler names carry the servicer's class name: the workers serve as hivemind's TrainingStateAverager
