@@ -9,7 +9,7 @@ The priority itself changes at every epoch (seconds apart in a fast swarm); a lo
 so renewals for it are spaced by ``PRIORITY_SPACING`` at least.
 
 A download of the state is checked before it is loaded (``ChecksDownloads``): hivemind's download stream has no end
-marker, and one cut short at a tensor boundary (seen about once in 400 downloads from a busy peer) reads as a shorter
+marker, and one cut short at a tensor boundary (4 in 1,973 downloads from a busy peer) reads as a shorter
 state, which hivemind 1.1.12 then fails to load with a traceback, or skips while believing it loaded.
 """
 
