@@ -126,11 +126,11 @@ def train(
     # an auxiliary peer counts as online while its record is fresh (metadata_expiration): it is stored well within
     publisher = MetricsPublisher(functools.partial(publish_metrics, dht, config.run_id, signature),
                                  interval=min(METRICS_INTERVAL, config.optimizer.metadata_expiration / 3))
-    # The first record goes out now, not after the first epoch: with the link measured at join in it, the
-    # coordinator plans with this peer epochs sooner (in a swarm of 2 s epochs a joiner's first planned round came
-    # some six epochs after its join, and under a fast machine's suite none did).
-    publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
     try:
+        # The first record goes out now, not after the first epoch: with the link measured at join in it, the
+        # coordinator plans with this peer epochs sooner (in a swarm of 2.5 s epochs a joiner's first planned round
+        # came four epochs after its join, and on a faster machine none came within a test's nine).
+        publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
         while not stop.is_set():
             target = watch.target_epochs if watch is not None else config.target_epochs
             if target is not None and epoch_of(opt, aux) >= target:
