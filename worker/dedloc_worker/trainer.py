@@ -126,11 +126,15 @@ def train(
     # an auxiliary peer counts as online while its record is fresh (metadata_expiration): it is stored well within
     publisher = MetricsPublisher(functools.partial(publish_metrics, dht, config.run_id, signature),
                                  interval=min(METRICS_INTERVAL, config.optimizer.metadata_expiration / 3))
+
+    def publish() -> None:  # the record as things stand: the claims settled so far and the newest link report
+        publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
+
     try:
         # The first record goes out now, not after the first epoch: with the link measured at join in it, the
         # coordinator plans with this peer epochs sooner (in a swarm of 2.5 s epochs a joiner's first planned round
         # came four epochs after its join, and on a faster machine none came within a test's nine).
-        publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
+        publish()
         while not stop.is_set():
             target = watch.target_epochs if watch is not None else config.target_epochs
             if target is not None and epoch_of(opt, aux) >= target:
@@ -169,7 +173,7 @@ def train(
             if settled:
                 contributions.extend(settled)
                 every_contribution.extend(settled)
-                publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
+                publish()
             if tally.epoch != opt.local_epoch:
                 tally = open_epoch(task, config, peer_key, opt.local_epoch)  # or state reloaded: samples dropped
             if not paused:  # the display counts mini-steps
@@ -191,7 +195,7 @@ def train(
         if settled:
             contributions.extend(settled)
             every_contribution.extend(settled)
-            publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
+            publish()
         time.sleep(max(0.0, grace_ends - time.monotonic()))
         return TrainingResult(every_contribution, opt.local_epoch, state, finished=run_over)
     finally:
