@@ -159,20 +159,24 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
         wait(lambda: logged_epoch(log) > first, 300, poll=0.05)
         workers, servers = [proc.pid for proc in started[2:]], [proc.pid for proc in started[:2]]
         begin, t0, cpu0 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
+        window_began = time.time()
         time.sleep(seconds)
         last = logged_epoch(log)
         wait(lambda: logged_epoch(log) > last, 300, poll=0.05)
         end, t1, cpu1 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
+        window_ended = time.time()
         # The window's epochs in each worker's log: a round lost at a peer's joining, before it, does not count.
         sections = [text for i in range(PEERS) for number, text in epoch_sections((work / f"peer{i}.log").read_text())
                   if begin <= number < end]
         claimed = claimed_per_epoch(env, begin, end)
+        checks = spot_checks_within(env, window_began, window_ended)
         stopped = ctrl_c(started[-1])
         return dict(swarm_samples_per_second=round((end - begin) * target / (t1 - t0), 1),
                     epochs=end - begin, epoch_seconds=round((t1 - t0) / (end - begin), 2),
                     failed_rounds=sum(text.count(NO_GROUP) for text in sections),
                     claimed_samples_per_epoch=claimed,
                     partial_rounds=sum(1 for text in sections if PARTIAL.search(text)),
+                    spot_checks=checks,
                     workers_cores=round((cpu1[0] - cpu0[0]) / (t1 - t0), 3),
                     coordinator_and_portal_cores=round((cpu1[1] - cpu0[1]) / (t1 - t0), 3),
                     ctrl_c_seconds=stopped)
@@ -202,6 +206,25 @@ def claimed_per_epoch(env: dict, first: int, end: int, timeout: float = 15.0) ->
         if len(sums) >= end - first or time.monotonic() > deadline:
             return round(sum(sums) / len(sums), 1) if sums else None
         time.sleep(1)
+
+
+def spot_checks_within(env: dict, began: float, ended: float) -> int:
+    """Spot checks the coordinator finished between ``began`` and ``ended`` (unix seconds): each recomputed a peer's
+    epoch on one of the cores the swarm trains on, so a window that holds one reads lower
+    (docs/benchmarks.md#training)."""
+    from datetime import datetime, timezone
+
+    from sqlalchemy import func, select
+
+    from app.core.config import Settings
+    from app.core.database import one_session
+    from app.models import SpotCheck
+
+    url = Settings(data_dir=env["DEDLOC_DATA_DIR"], DATABASE_URL=env["DATABASE_URL"]).resolved_database_url
+    began_at, ended_at = (datetime.fromtimestamp(t, timezone.utc) for t in (began, ended))
+    with one_session(url, migrate_first=False) as session:
+        return session.scalar(select(func.count(SpotCheck.id)).where(SpotCheck.checked_at >= began_at,
+                                                                     SpotCheck.checked_at <= ended_at))
 
 
 def tree_cpu(roots: list[int]) -> float:
@@ -279,8 +302,8 @@ def markdown(rows: list[dict]) -> str:
              "| task | global batch | epoch, s | peers | dpu | compression | swarm samples/s | "
              "solo samples/s (before / after) | efficiency | cores: workers / coordinator and portal / solo | "
              "efficiency per CPU | epochs | samples claimed per epoch | failed rounds | partial rounds | "
-             "Ctrl-C on a worker, s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "spot checks | Ctrl-C on a worker, s |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['task']} | {r['target_batch_size']:,} | {r['epoch_seconds']} | {r['peers']} | "
               f"{'on' if r['dpu'] else 'off'}{' (default)' if r['dpu'] == DEFAULTS.delay_optimizer_step else ''} | "
               f"{r['compression']} | "
@@ -288,7 +311,8 @@ def markdown(rows: list[dict]) -> str:
               f"({' / '.join(f'{v:,.0f}' for v in r['solo_before_and_after'])}) | {r['efficiency']:.2f} | "
               f"{r['workers_cores']:.2f} / {r['coordinator_and_portal_cores']:.2f} / {r['solo_cores']:.2f} | "
               f"{r['efficiency_per_cpu']:.2f} | {r['epochs']} | {claimed(r)} | "
-              f"{r['failed_rounds']} | {r.get('partial_rounds')} | {r.get('ctrl_c_seconds')} |"
+              f"{r['failed_rounds']} | {r.get('partial_rounds')} | {r.get('spot_checks', '-')} | "
+              f"{r.get('ctrl_c_seconds')} |"
               for r in rows]
     fits = epoch_cost(rows)
     if fits:
