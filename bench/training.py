@@ -186,17 +186,23 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
         shutil.rmtree(work, ignore_errors=True)
 
 
+def bench_database(env: dict) -> str:
+    """The database URL of the bench's run, as its portal and coordinator resolve it from ``env``."""
+    from app.core.config import Settings
+
+    return Settings(data_dir=env["DEDLOC_DATA_DIR"], DATABASE_URL=env["DATABASE_URL"]).resolved_database_url
+
+
 def claimed_per_epoch(env: dict, first: int, end: int, timeout: float = 15.0) -> float | None:
     """The samples the workers claimed per epoch (summed over them, averaged over the window's epochs ``first`` to
     ``end - 1`` for which the coordinator recorded every worker's claim within ``timeout``). An epoch ends when the
     swarm's extrapolated progress reaches the global batch, so what it held can be a little less or more."""
     from sqlalchemy import func, select
 
-    from app.core.config import Settings
     from app.core.database import one_session
     from app.models import Contribution
 
-    url = Settings(data_dir=env["DEDLOC_DATA_DIR"], DATABASE_URL=env["DATABASE_URL"]).resolved_database_url
+    url = bench_database(env)
     query = (select(func.sum(Contribution.samples)).where(Contribution.epoch >= first, Contribution.epoch < end)
              .group_by(Contribution.epoch).having(func.count(Contribution.peer_key.distinct()) == PEERS))
     deadline = time.monotonic() + timeout
@@ -216,11 +222,10 @@ def spot_checks_within(env: dict, began: float, ended: float) -> int:
 
     from sqlalchemy import func, select
 
-    from app.core.config import Settings
     from app.core.database import one_session
     from app.models import SpotCheck
 
-    url = Settings(data_dir=env["DEDLOC_DATA_DIR"], DATABASE_URL=env["DATABASE_URL"]).resolved_database_url
+    url = bench_database(env)
     began_at, ended_at = (datetime.fromtimestamp(t, timezone.utc) for t in (began, ended))
     with one_session(url, migrate_first=False) as session:
         return session.scalar(select(func.count(SpotCheck.id)).where(SpotCheck.checked_at >= began_at,
