@@ -105,3 +105,44 @@ def test_a_new_epoch_is_stored_after_an_epoch_at_a_steady_pace(make_tracker):
     assert reported(tracker)[0] == 2, "the control: the steady epoch's start was stored"
     train(3, n, 10)
     wait_for(lambda: reported(tracker)[0] == 3, 5, "the report of the epoch after a steady one")
+
+
+def test_the_swarm_rate_shown_adds_the_other_peers_reported_rates_to_this_ones(make_tracker):
+    """The worker's line "N samples/s here, M in the swarm" showed this peer's own rate as the swarm's at each new
+    epoch (hivemind's ETA is unknown there), so two peers read as one. It is now this peer's rate plus what the other
+    peers' records in the DHT say."""
+    from types import SimpleNamespace
+
+    from dedloc_worker.trainer import status_of
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    here = make_tracker(min_refresh_period=0.1, max_refresh_period=0.5)
+    other = create_dht([str(addr) for addr in here.dht.get_visible_maddrs()], "/ip4/127.0.0.1/tcp/0",
+                       client_mode=False)
+    # a peer of its own: records are keyed by their signer, and every DHT of one process signs with the same key
+    there = ThrottledProgressTracker(other, here.prefix, 10**9, start=True, min_refresh_period=0.1,
+                                     max_refresh_period=0.5, private_key=RSAPrivateKey())
+    try:
+        for tracker, pause in ((here, 0.02), (there, 0.05)):  # two paces: two different rates
+            for step in range(1, 11):
+                time.sleep(pause)
+                tracker.report_local_progress(0, 16 * step)
+
+        def stored() -> dict:
+            found = here.dht.get(here.training_progress_key, latest=True)
+            return {} if found is None else {subkey: entry.value["samples_per_second"]
+                                             for subkey, entry in found.value.items()}
+
+        wait_for(lambda: len(stored()) == 2, 10, "both peers' records")
+        theirs = stored()[there._local_public_key]  # the subkey hivemind's tracker stores its record under
+        assert theirs > 0
+
+        def shown() -> float:  # what the worker's line and bar show
+            return status_of(SimpleNamespace(tracker=here, local_epoch=0), None).swarm_samples_per_second
+
+        wait_for(lambda: abs(shown() - (theirs + here.performance_ema.samples_per_second)) < 1e-6, 10,
+                 f"the swarm rate shown to add the other peer's {theirs:.1f} samples/s to this one's")
+        assert shown() > max(theirs, here.performance_ema.samples_per_second)
+    finally:
+        there.shutdown()
+        other.shutdown()

@@ -12,7 +12,7 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
-from hivemind.optim.progress_tracker import ProgressTracker
+from hivemind.optim.progress_tracker import LocalTrainingProgress, ProgressTracker
 from hivemind.utils import get_dht_time
 
 DRIFT = 0.02  # of the global batch: how far the others' extrapolation of this peer may be off before it reports
@@ -49,7 +49,11 @@ class ThrottledProgressTracker(ProgressTracker):
     hivemind's reporter still renews the record before it expires.
 
     :param tolerance: samples; by default ``DRIFT`` of the global batch
+    :ivar others_samples_per_second: the rates the other peers' records carried at the last read of the swarm's
+      progress, summed (0 before it)
     """
+
+    others_samples_per_second = 0.0
 
     def __init__(self, *args, start: bool, tolerance: float | None = None, **kwargs):
         super().__init__(*args, start=False, **kwargs)
@@ -58,6 +62,20 @@ class ThrottledProgressTracker(ProgressTracker):
         self._last_reported = _Report(-1, 0, float("-inf"), 0.0)
         if start:
             self.start()
+
+    @property
+    def swarm_samples_per_second(self) -> float:
+        """What the collaboration trains per second: the others' reported rates and this peer's own, as it stands
+        (its record's rate is as old as its last report)."""
+        return self.others_samples_per_second + self.performance_ema.samples_per_second
+
+    def _parse_swarm_progress_data(self, metadata):
+        progress = super()._parse_swarm_progress_data(metadata)
+        others = metadata.items() if isinstance(metadata, dict) else ()
+        self.others_samples_per_second = sum(LocalTrainingProgress.parse_obj(entry.value).samples_per_second
+                                             for subkey, entry in others
+                                             if subkey != self._local_public_key and entry.value is not None)
+        return progress
 
     def report_local_progress(self, local_epoch: int, samples_accumulated: int, update_global_samples: bool = True):
         last, now = self._last_reported, get_dht_time()

@@ -64,18 +64,6 @@ class Status:
     peers: int
 
 
-def swarm_samples_per_second(opt) -> float:
-    """The collaboration's throughput as hivemind's tracker estimates it (samples per second)."""
-    from hivemind.utils import get_dht_time
-
-    progress = opt.tracker.global_progress
-    remaining = progress.target_batch_size - progress.samples_accumulated
-    seconds_left = progress.eta_next_epoch - get_dht_time()
-    if remaining > 0 and 0 < seconds_left < float("inf"):
-        return remaining / seconds_left
-    return opt.tracker.performance_ema.samples_per_second
-
-
 def train(
     dht,
     config: RunConfig,
@@ -313,7 +301,7 @@ def status_of(opt, last: Optional[EpochContribution]) -> Status:
     return Status(
         epoch=opt.local_epoch,
         local_samples_per_second=float(opt.tracker.performance_ema.samples_per_second),
-        swarm_samples_per_second=float(swarm_samples_per_second(opt)),
+        swarm_samples_per_second=float(opt.tracker.swarm_samples_per_second),
         loss=mean_loss([last]) if last else None,
         peers=opt.tracker.global_progress.num_peers,
     )
