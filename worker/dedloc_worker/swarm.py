@@ -38,6 +38,9 @@ The pitfalls (docs/hivemind.md#pitfalls, same numbers) and where each is handled
     reports it with its first samples.
 24. An averager's shutdown with a round under way raised: ``leaving.EndsRunningRounds`` (both averagers).
 25. Every store looks its key up again: ``SwarmDHT``'s node reuses a store's lookup (``dht_lookups``).
+27. The swarm's rate is in no tracker field: ``ThrottledProgressTracker.swarm_samples_per_second``.
+28. A report's rate is hivemind's average of the last ~10 mini-steps: ``tracker.SteadyRate`` in
+    ``ThrottledProgressTracker``.
 """
 
 from __future__ import annotations
