@@ -21,7 +21,7 @@ from dedloc_worker.tasks.tiny_lm import TinyLanguageModel
 from app.core.config import Settings
 from app.core.database import make_engine, make_sessionmaker
 from app.credit.settlement import credit_epochs
-from app.credit.spot_checks import MIN_COSINE, Verdict, judge, record_check, summary
+from app.credit.spot_checks import MIN_COSINE, Verdict, judge, loss_step, record_check, summary
 from app.models import Contribution, SpotCheck
 from app.runs import registry
 from app.web.main import create_app
@@ -53,6 +53,13 @@ def test_the_verdict_passes_an_honest_sketch_and_names_the_evidence_against_a_wr
     assert not scaled.passed and scaled.cosine > 0.99 and "norm 1e+03x" in scaled.evidence
     wrong_loss = judge(sketch(truth), sketch(truth), 1.0, 4.0)
     assert not wrong_loss.passed and "mean loss claimed 1.000, recomputed 4.000" in wrong_loss.evidence
+    # the honest check that once failed in a swarm an attacker drove up (loss ~20 and rising a third a step): the
+    # sketch agreed, the loss was a step off; allowed what a step moved the swarm's loss, it passes, a liar does not
+    drifted_loss = judge(sketch(truth), sketch(truth), 23.173, 32.788)
+    assert not drifted_loss.passed and drifted_loss.cosine > 0.99
+    allowed = judge(sketch(truth), sketch(truth), 23.173, 32.788, loss_drift=6.0)
+    assert allowed.passed and "(a step moved the swarm's mean loss by 6.000)" in allowed.evidence
+    assert not judge(sketch(truth), sketch(truth), 1.0, 4.0, loss_drift=0.5).passed
     for garbage in ("not base64!", encode_sketch([1.0] * 3), encode_sketch([math.nan] * SKETCH_DIMS)):
         verdict = judge(garbage, sketch(truth), 4.0, 4.0)
         assert not verdict.passed and "sketch" in verdict.evidence
@@ -123,6 +130,23 @@ def test_the_demos_masked_lm_redraws_its_data_and_masks_and_keeps_its_evaluation
     verdict = judge(tally.gradients.sketch(), again, tally.loss_sum / 3, loss)
     assert verdict.passed and verdict.cosine > 0.999, verdict
     assert worker.evaluate() == pytest.approx(evaluation, abs=1e-6)
+
+
+def test_the_loss_a_step_moved_is_the_median_over_the_peers_of_the_two_epochs_before(sessions, tmp_path):
+    """``loss_step`` for epoch 3: the peers' mean losses at epoch 2 against epoch 1, each epoch's median; nothing
+    known for epoch 2 (no claims of epoch 0)."""
+    with sessions() as session:
+        run = aged_run(session, "drifting")
+        peers = [Peer(session, run, name, tmp_path, i) for i, name in enumerate(("ann", "bob", "cid"))]
+
+        def claimed(epoch, losses):  # each peer's mean loss over 4 mini-steps, in one round
+            members = sorted(p.peer_id for p in peers)
+            return [p.record(claim(epoch, 64, f"r{epoch}", members=members).copy(
+                update={"loss_sum": 4 * loss, "mini_steps": 4})) for p, loss in zip(peers, losses)]
+
+        credit_epochs(session, run, claimed(1, [10.0, 11.0, 90.0]) + claimed(2, [14.0, 15.0, 1.0]))
+        assert loss_step(session, run, 3) == pytest.approx(14.0 - 11.0)  # medians 11 and 14: the outliers do not count
+        assert loss_step(session, run, 2) == 0.0
 
 
 def test_a_failed_check_holds_every_claim_of_that_peer_with_the_evidence(sessions, tmp_path):

@@ -154,7 +154,7 @@ class SpotChecker(threading.Thread):
         import torch
 
         from app.credit.settlement import owners
-        from app.credit.spot_checks import judge, record_check
+        from app.credit.spot_checks import judge, loss_step, record_check
         from app.runs import registry
 
         if not claim.sketch or not claim.mini_steps or claim.samples != claim.mini_steps * self.config.batch_size:
@@ -172,9 +172,9 @@ class SpotChecker(threading.Thread):
         sketch, loss = done
         seconds = time.monotonic() - started
         claimed_loss = claim.loss_sum / claim.mini_steps
-        verdict = judge(claim.sketch, sketch, claimed_loss, loss)
         with self.sessions() as session:
             run = registry.get_run(session, self.config.slug)
+            verdict = judge(claim.sketch, sketch, claimed_loss, loss, loss_step(session, run, claim.epoch))
             username = owners(session, run, [peer_key]).get(peer_key, ("(unknown)",))[0]
             record_check(session, run, peer_key=peer_key, username=username, epoch=claim.epoch,
                          mini_steps=claim.mini_steps, verdict=verdict, claimed_loss=claimed_loss,

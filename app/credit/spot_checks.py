@@ -10,6 +10,7 @@ docs/spot-checks.md says what a check can and cannot catch.
 from __future__ import annotations
 
 import math
+import statistics
 from dataclasses import dataclass
 from typing import Iterable
 
@@ -25,6 +26,8 @@ from app.models import Contribution, Run, SpotCheck
 MIN_COSINE = 0.5
 NORM_RATIO = 3.0  # published norm / recomputed norm must lie within [1/3, 3]: a scaled gradient fails
 LOSS_TOLERANCE = 0.25  # relative difference of the mean losses (plus 0.05 absolute) a step of drift stays within
+# ... where the loss moves slowly. Where it moves fast (a model an attacker is driving up), a step of drift moves it
+# by about what a step moved the swarm's loss, which ``loss_step`` measures and the loss check allows on top.
 
 
 @dataclass(frozen=True)
@@ -35,8 +38,10 @@ class Verdict:
     evidence: str
 
 
-def judge(published: str, recomputed: str, claimed_loss: float, recomputed_loss: float) -> Verdict:
-    """Compare a claim's sketch (``contract.encode_sketch``) with the recomputed one, and the mean losses."""
+def judge(published: str, recomputed: str, claimed_loss: float, recomputed_loss: float,
+          loss_drift: float = 0.0) -> Verdict:
+    """Compare a claim's sketch (``contract.encode_sketch``) with the recomputed one, and the mean losses, which may
+    differ by ``loss_drift`` (``loss_step``) more than the tolerance."""
     try:
         mine, theirs = decode_sketch(recomputed), decode_sketch(published)
     except ValueError as e:
@@ -48,12 +53,29 @@ def judge(published: str, recomputed: str, claimed_loss: float, recomputed_loss:
     cosine = sum(a * b for a, b in zip(mine, theirs)) / (norm_mine * norm_theirs) if norm_mine and norm_theirs else 0.0
     ratio = norm_theirs / norm_mine if norm_mine else (1.0 if not norm_theirs else math.inf)
     losses_agree = (math.isfinite(claimed_loss)
-                    and abs(claimed_loss - recomputed_loss) <= LOSS_TOLERANCE * abs(recomputed_loss) + 0.05)
+                    and abs(claimed_loss - recomputed_loss)
+                    <= LOSS_TOLERANCE * abs(recomputed_loss) + 0.05 + loss_drift)
     passed = cosine >= MIN_COSINE and 1 / NORM_RATIO <= ratio <= NORM_RATIO and losses_agree
     evidence = (f"the gradient sketch it published against the one recomputed on its own data: cosine "
                 f"{cosine:+.2f} (at least {MIN_COSINE} passes), norm {ratio:.3g}x; mean loss claimed "
-                f"{claimed_loss:.3f}, recomputed {recomputed_loss:.3f}")
+                f"{claimed_loss:.3f}, recomputed {recomputed_loss:.3f}"
+                + (f" (a step moved the swarm's mean loss by {loss_drift:.3f})" if loss_drift else ""))
     return Verdict(passed, cosine, ratio if math.isfinite(ratio) else 1e9, evidence)
+
+
+def loss_step(session: Session, run: Run, epoch: int) -> float:
+    """How much the last step before ``epoch`` moved the swarm's loss: the median of the peers' mean losses claimed
+    at ``epoch - 1`` against that at ``epoch - 2``; 0 where either epoch has no claim. The median, so one peer's
+    word moves it only as far as the others let it."""
+    rows = session.execute(select(Contribution.epoch, Contribution.loss_sum, Contribution.mini_steps).where(
+        Contribution.run_id == run.id, Contribution.epoch.in_([epoch - 2, epoch - 1]), Contribution.mini_steps > 0))
+    losses: dict[int, list[float]] = {}
+    for at, loss_sum, mini_steps in rows:
+        if math.isfinite(loss_sum):
+            losses.setdefault(at, []).append(loss_sum / mini_steps)
+    if len(losses) < 2:
+        return 0.0
+    return abs(statistics.median(losses[epoch - 1]) - statistics.median(losses[epoch - 2]))
 
 
 def held_reason(epoch: int, evidence: str) -> str:
