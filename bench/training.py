@@ -20,7 +20,9 @@ same two. So each row also reports the CPU (cores, from ``/proc``) that the work
 averagers and p2pd included), the coordinator with the portal, and the solo processes used over their windows, and
 ``efficiency_per_cpu``: the swarm's samples per CPU-second of its workers over the solo processes' samples per
 CPU-second. It counts what a worker spends besides its gradients, not the time a worker waits idle (for a round
-it cannot overlap): that stays in ``efficiency``.
+it cannot overlap): that stays in ``efficiency``. ``efficiency_servers_apart`` keeps that idle time and everything
+the workers' trees spend, and takes out only the servers' share: the solo rate scaled to the cores the coordinator
+and the portal left the swarm (on CPU, where both solo processes are bound by the cores they get).
 """
 
 from __future__ import annotations
@@ -186,6 +188,17 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
         shutil.rmtree(work, ignore_errors=True)
 
 
+def servers_apart(row: dict, cores: int) -> float | None:
+    """Efficiency with the coordinator's and the portal's CPU taken out: swarm / (solo x the share of ``cores`` they
+    left). On a volunteer's machine neither runs beside the worker; here both take theirs from the same cores, and a
+    spot check (2% of the swarm's compute, docs/spot-checks.md#cost) runs in the coordinator. None on a GPU, where
+    the solo rate is not bound by the CPU."""
+    if row.get("device", "cpu") != "cpu":
+        return None
+    left = (cores - row["coordinator_and_portal_cores"]) / cores
+    return round(row["swarm_samples_per_second"] / (row["solo_samples_per_second"] * left), 3)
+
+
 def bench_database(env: dict) -> str:
     """The database URL of the bench's run, as its portal and coordinator resolve it from ``env``."""
     from app.core.config import Settings
@@ -306,16 +319,16 @@ def markdown(rows: list[dict]) -> str:
              "docs/benchmarks.md#training.", "",
              "| task | global batch | epoch, s | peers | dpu | compression | swarm samples/s | "
              "solo samples/s (before / after) | efficiency | cores: workers / coordinator and portal / solo | "
-             "efficiency per CPU | epochs | samples claimed per epoch | failed rounds | partial rounds | "
+             "efficiency per CPU | efficiency, servers' cores apart | epochs | samples claimed per epoch | failed rounds | partial rounds | "
              "spot checks | Ctrl-C on a worker, s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     lines += [f"| {r['task']} | {r['target_batch_size']:,} | {r['epoch_seconds']} | {r['peers']} | "
               f"{'on' if r['dpu'] else 'off'}{' (default)' if r['dpu'] == DEFAULTS.delay_optimizer_step else ''} | "
               f"{r['compression']} | "
               f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} "
               f"({' / '.join(f'{v:,.0f}' for v in r['solo_before_and_after'])}) | {r['efficiency']:.2f} | "
               f"{r['workers_cores']:.2f} / {r['coordinator_and_portal_cores']:.2f} / {r['solo_cores']:.2f} | "
-              f"{r['efficiency_per_cpu']:.2f} | {r['epochs']} | {claimed(r)} | "
+              f"{r['efficiency_per_cpu']:.2f} | {apart(r)} | {r['epochs']} | {claimed(r)} | "
               f"{r['failed_rounds']} | {r.get('partial_rounds')} | {r.get('spot_checks', '-')} | "
               f"{r.get('ctrl_c_seconds')} |"
               for r in rows]
@@ -326,6 +339,11 @@ def markdown(rows: list[dict]) -> str:
                   "each epoch costs b samples of solo compute on top.", ""]
         lines += [f"- {fit}" for fit in fits]
     return "\n".join(lines) + "\n"
+
+
+def apart(row: dict) -> str:
+    value = row.get("efficiency_servers_apart")
+    return "-" if value is None else f"{value:.2f}"
 
 
 def claimed(row: dict) -> str:
@@ -402,6 +420,7 @@ def main(argv=None) -> int:
             row["efficiency"] = round(row["swarm_samples_per_second"] / solo, 3)
             row["efficiency_per_cpu"] = round(row["swarm_samples_per_second"] / row["workers_cores"]
                                               / (solo / solo_cores), 3)
+            row["efficiency_servers_apart"] = servers_apart(row, os.cpu_count() or 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
