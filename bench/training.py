@@ -319,16 +319,17 @@ def markdown(rows: list[dict]) -> str:
              "docs/benchmarks.md#training.", "",
              "| task | global batch | epoch, s | peers | dpu | compression | swarm samples/s | "
              "solo samples/s (before / after) | efficiency | cores: workers / coordinator and portal / solo | "
-             "efficiency per CPU | efficiency, servers' cores apart | epochs | samples claimed per epoch | failed rounds | partial rounds | "
-             "spot checks | Ctrl-C on a worker, s |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+             "efficiency per CPU | efficiency, servers' cores apart | epochs | samples claimed per epoch | "
+             "failed rounds | partial rounds | spot checks | Ctrl-C on a worker, s |",
+             "|" + " --- |" * 18]
     lines += [f"| {r['task']} | {r['target_batch_size']:,} | {r['epoch_seconds']} | {r['peers']} | "
               f"{'on' if r['dpu'] else 'off'}{' (default)' if r['dpu'] == DEFAULTS.delay_optimizer_step else ''} | "
               f"{r['compression']} | "
               f"{r['swarm_samples_per_second']:,.0f} | {r['solo_samples_per_second']:,.0f} "
               f"({' / '.join(f'{v:,.0f}' for v in r['solo_before_and_after'])}) | {r['efficiency']:.2f} | "
               f"{r['workers_cores']:.2f} / {r['coordinator_and_portal_cores']:.2f} / {r['solo_cores']:.2f} | "
-              f"{r['efficiency_per_cpu']:.2f} | {apart(r)} | {r['epochs']} | {claimed(r)} | "
+              f"{r['efficiency_per_cpu']:.2f} | {shown(r.get('efficiency_servers_apart'), '.2f')} | {r['epochs']} | "
+              f"{shown(r.get('claimed_samples_per_epoch'), ',.0f')} | "
               f"{r['failed_rounds']} | {r.get('partial_rounds')} | {r.get('spot_checks', '-')} | "
               f"{r.get('ctrl_c_seconds')} |"
               for r in rows]
@@ -341,14 +342,9 @@ def markdown(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def apart(row: dict) -> str:
-    value = row.get("efficiency_servers_apart")
-    return "-" if value is None else f"{value:.2f}"
-
-
-def claimed(row: dict) -> str:
-    value = row.get("claimed_samples_per_epoch")
-    return "-" if value is None else f"{value:,.0f}"
+def shown(value: float | None, spec: str) -> str:
+    """A table cell: ``value`` formatted by ``spec``, or "-" where a row has none (older rows, a GPU's)."""
+    return "-" if value is None else format(value, spec)
 
 
 def epoch_cost(rows: list[dict]) -> list[str]:
