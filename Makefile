@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 WHEELS := app/wheels/.built
 
-.PHONY: setup demo test bench clean
+.PHONY: setup demo test check bench clean
 
 # The wheels the portal serves to volunteers; an installed portal carries them (setup.py builds them the same way).
 WHEEL_SOURCES := $(shell find common worker -name '*.py' -o -name pyproject.toml 2>/dev/null)
@@ -39,6 +39,11 @@ test: setup
 	$(BIN)/python -m pytest -m "not swarm" -n $(TEST_PROCESSES) --dist loadfile; first=$$?; \
 	$(BIN)/python -m pytest -m swarm; second=$$?; \
 	[ $$first -eq 0 ] && [ $$second -eq 0 ]
+
+# Lint everything (ruff, configured in pyproject.toml), type-check common/ and app/ (mypy); CI runs it before the tests.
+check: setup
+	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 bench: setup
 	$(BIN)/python -m bench

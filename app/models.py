@@ -37,6 +37,14 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING)
 
 
+def max_length(model: type[Base], column: str) -> int:
+    """How many characters a model's String column holds: text cut to it fits every database."""
+    column_type = model.__table__.c[column].type
+    if not isinstance(column_type, String) or column_type.length is None:
+        raise TypeError(f"{model.__name__}.{column} is not a String of a given length")
+    return column_type.length
+
+
 class Run(Base):
     __tablename__ = "runs"
 
@@ -53,8 +61,11 @@ class Run(Base):
     # Who may get peer tokens: "open" (any signed-in user), "allowlist", or "org" (members of admission_org).
     admission: Mapped[str] = mapped_column(String(20), default="open")
     admission_org: Mapped[Optional[str]] = mapped_column(String(100), nullable=True)
-    # Plausibility: a claim above this many samples per second per peer is held, not credited.
+    # Plausibility: a claim above this many samples per second per peer is held, not credited. Where the organizer
+    # did not set it (ceiling_from_organizer), the ceiling is derived from the swarm's confirmed rates and this is
+    # the default before there are any (app.credit.ceiling).
     samples_per_second_ceiling: Mapped[float] = mapped_column(Float, default=5000.0)
+    ceiling_from_organizer: Mapped[bool] = mapped_column(Boolean, default=False)
     # The run's token authority: RSA private key, encrypted with the portal's secret key (Fernet).
     authority_key_encrypted: Mapped[Optional[bytes]] = mapped_column(LargeBinary, nullable=True)
     # A run's life: "active", "paused" (workers wait) or "finished" (target reached, or ended by an organizer).
@@ -92,6 +103,21 @@ class Checkpoint(Base):
     size: Mapped[int] = mapped_column(BigInteger)
     file_name: Mapped[str] = mapped_column(String(200))
     final: Mapped[bool] = mapped_column(Boolean, default=False)
+
+
+class Evaluation(Base):
+    """One evaluation the checkpointer made: the held-out loss of the collaboration's state at an epoch. Kept for the
+    run's life, whichever checkpoint archives pruning keeps (the dashboard's evaluation chart reads these)."""
+
+    __tablename__ = "evaluations"
+    __table_args__ = (UniqueConstraint("run_id", "epoch"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), index=True)
+    epoch: Mapped[int] = mapped_column(Integer)
+    samples: Mapped[int] = mapped_column(BigInteger)
+    eval_loss: Mapped[float] = mapped_column(Float)
+    evaluated_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 
 
 class Coordinator(Base):
@@ -284,12 +310,20 @@ class AveragingPlan(Base):
     # Median of the round times the peers reported while this plan was current; None until one is reported.
     measured_seconds: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
     reason: Mapped[str] = mapped_column(String(200), default="")
+    # The round model fitted from the peers' measured rounds (app.planner.fit), refreshed each poll while the plan
+    # is current: its costs beyond bandwidth, how many rounds it rests on, and what it predicts for this plan now.
+    # None until three rounds were measured (plans stored before the fit have none).
+    latency_seconds: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    part_seconds: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    fitted_rounds: Mapped[Optional[int]] = mapped_column(Integer, nullable=True)
+    fitted_seconds: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
 
 
 class SpotCheck(Base):
     """The checkpointer recomputed one claim's gradient on the peer's own data (app/coordinator/spot_checker.py)
-    and compared it with the sketch the peer published: the figures, the verdict, and the evidence in words. A failed
-    check holds every claim of that peer key in the run (app/credit/spot_checks.py)."""
+    and compared it with the sketch the peer published: the figures, the verdict, and the evidence in words; or a
+    drawn claim it could not judge (``skipped`` says why). A failed check, or a drawn claim without a usable sketch,
+    holds every claim of that peer's account in the run until an organizer lifts it (app/credit/spot_checks.py)."""
 
     __tablename__ = "spot_checks"
     __table_args__ = (UniqueConstraint("run_id", "peer_key", "epoch"),)
@@ -308,3 +342,8 @@ class SpotCheck(Base):
     recomputed_loss: Mapped[float] = mapped_column(Float)
     evidence: Mapped[str] = mapped_column(String(300))
     checked_at: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
+    # Why a drawn claim was not judged ("" when it was): "no sketch", "partial" (samples that are not whole
+    # mini-batches), "no claim" (none came: the peer left or skipped the epoch), "nothing claimed" (0 samples).
+    skipped: Mapped[str] = mapped_column(String(20), default="", server_default="")
+    # The organizer who lifted the hold this check put on the account.
+    lifted_by: Mapped[Optional[str]] = mapped_column(String(100), nullable=True)

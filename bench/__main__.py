@@ -10,8 +10,11 @@
 4. Training throughput, a swarm against solo processes (``bench.training``): ``training.json`` and ``training.md``.
 4b. The cost of robust aggregation, CenteredClip against the plain mean on the emulated profiles (``bench.robust_cost``,
    needs root; a "skipped" row elsewhere): ``robust_cost.json`` and ``robust_cost.md``.
-5. Load on a deployment: PostgreSQL, two web processes, thousands of viewers (``bench.load``): ``load.json``, ``load.md``.
-6. The paper's equivalence claim, a two-peer swarm against one process (``bench.equivalence``): ``equivalence.json``
+4c. Large-batch against local-updates (DiLoCo) on emulated slow links: efficiency, bytes per sample, held-out loss
+   (``bench.local_updates``, needs root; a "skipped" row elsewhere): ``local_updates.json`` and ``local_updates.md``.
+5. Load on a deployment: PostgreSQL, two web processes, thousands of viewers (``bench.load``): ``load.json``,
+``load.md``. 6. The paper's equivalence claim, a two-peer swarm against one process (``bench.equivalence``):
+``equivalence.json``
    and ``equivalence.md``.
 7. What spot checks cost a worker and the swarm, on the demo's model (``bench.spot_checks``): ``spot_checks.json``
    and ``spot_checks.md``.
@@ -31,8 +34,19 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from bench import (demo, emulate_averaging, equivalence, leave, load, robust_cost, simulate_averaging,
-                   simulate_groups, spot_checks, training)
+from bench import (
+    demo,
+    emulate_averaging,
+    equivalence,
+    leave,
+    load,
+    local_updates,
+    robust_cost,
+    simulate_averaging,
+    simulate_groups,
+    spot_checks,
+    training,
+)
 from bench.emulate_averaging import ROUNDS
 
 RESULTS = Path("bench/results")
@@ -57,6 +71,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(f"wrote {RESULTS / 'averaging.json'} and {RESULTS / 'averaging.md'}")
     code = training.main(["--out", str(RESULTS / "training.json")])
     code = code or robust_cost.main(["--out", str(RESULTS / "robust_cost.json")])
+    code = code or local_updates.main(["--out", str(RESULTS / "local_updates.json")])
     code = code or load.main(["--out", str(RESULTS / "load.json")])
     code = code or equivalence.main(["--out", str(RESULTS / "equivalence.json")])
     code = code or spot_checks.main(["--out", str(RESULTS / "spot_checks.json")])

@@ -18,12 +18,12 @@ from pathlib import Path
 
 from dedloc_common.contract import EpochContribution, MetricsRecord
 
-from app.runs import registry
+from app.core.clock import utcnow
+from app.core.database import make_engine, make_sessionmaker, migrate
 from app.credit.ledger import SignedMetrics
 from app.credit.settlement import credit_epochs
-from app.core.database import make_engine, make_sessionmaker, migrate
-from app.core.clock import utcnow
 from app.models import IssuedPeerToken
+from app.runs import registry
 
 GROUP_SIZE = 16
 SAMPLES = 100

@@ -73,7 +73,8 @@ def claims_of(database_url: str) -> dict:
 def watch_demo(minutes: float) -> dict:
     work = Path(tempfile.mkdtemp(prefix="dedloc-bench-demo-"))
     tag = work.name
-    env = {**os.environ, TAG: tag, "DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(free_port()), "DATABASE_URL": ""}
+    env = {**os.environ, TAG: tag, "DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(free_port()),
+           "DATABASE_URL": ""}
     terminal = work / "terminal.log"
     with terminal.open("w") as out:
         demo = subprocess.Popen([sys.executable, "-m", "app.cli", "demo"], stdout=out, stderr=subprocess.STDOUT,

@@ -5,10 +5,10 @@
 
 Four peers, each in its own network namespace, hang off one bridge in a fifth namespace (a star); every link is
 shaped with ``tc tbf`` and TCP uses CUBIC. Each peer averages a 10 MB fp32 vector with a ``PlannedAverager``
-(``dedloc_worker.averaging``), several rounds per profile, the modes (ring: gloo's all-reduce; tcp: the planner's
-bytes as plain TCP, ``bench.raw_tcp``; equal; hivemind: hivemind's own split; planner: ``app.planner.plan_averaging``)
-interleaved and rotated within each round. Every round is checked against the true mean (tcp: every byte arrived);
-a failed round is counted, left out of the median and retried.
+(``dedloc_worker.averaging.planned``), several rounds per profile, the modes (ring: gloo's all-reduce; tcp: the
+planner's bytes as plain TCP, ``bench.raw_tcp``; equal; hivemind: hivemind's own split; planner:
+``app.planner.plan_averaging``) interleaved and rotated within each round. Every round is checked against the true
+mean (tcp: every byte arrived); a failed round is counted, left out of the median and retried.
 
 How it measures, what each setting is for and what it found (hold-back, the window of parts in flight, part size,
 the drain, what limits 4x100): docs/benchmarks.md#averaging-emulation and
@@ -266,7 +266,7 @@ def peer_process() -> int:
     config = json.loads(sys.stdin.readline())
     import hivemind
     import torch
-    from dedloc_worker.averaging import PlannedAverager
+    from dedloc_worker.averaging.planned import PlannedAverager
 
     torch.set_num_threads(1)
     listen = "/ip4/127.0.0.1/tcp/0" if config["client"] else f"/ip4/{config['ip']}/tcp/0"
@@ -274,12 +274,13 @@ def peer_process() -> int:
                        start=True)
     averager = robust = None
     options = dict(start=True, client_mode=config["client"], target_group_size=config["world"],
-                   min_group_size=config["world"], min_matchmaking_time=MATCHMAKING_S, request_timeout=MATCHMAKING_S / 2,
-                   allreduce_timeout=REPLY_TIMEOUT_S / 2, part_size_bytes=config["part_bytes"])
+                   min_group_size=config["world"], min_matchmaking_time=MATCHMAKING_S,
+                   request_timeout=MATCHMAKING_S / 2, allreduce_timeout=REPLY_TIMEOUT_S / 2,
+                   part_size_bytes=config["part_bytes"])
     try:
         averager = PlannedAverager([torch.zeros(config["elements"])], dht, prefix="emu", **options)
         if config.get("robust"):  # bench.robust_cost: a second averager that aggregates with CenteredClip
-            from dedloc_worker.robust import RobustRule
+            from dedloc_worker.averaging.robust import RobustRule
 
             robust = PlannedAverager([torch.zeros(config["elements"])], dht, prefix="emu_robust",
                                      robust=RobustRule(**config["robust"]), **options)

@@ -3,7 +3,7 @@ the same data (docs/benchmarks.md#equivalence).
 
     python -m bench.equivalence [--epochs 20] [--strict-epochs 8] [--out bench/results/equivalence.json]
 
-Each peer is a process that runs the worker's swarm code: ``dedloc_worker.swarm.create_dht`` and
+Each peer is a process that runs the worker's swarm code: ``dedloc_worker.swarm.node.create_dht`` and
 ``create_optimizer`` (hivemind's Optimizer with the worker's planned gradient averager, options from the run
 config), on a tiny MLP classifier over synthetic data. Mini-batch k is drawn from a generator seeded with k, and
 peer p takes k = p, p + 2, p + 4, ...: a fixed data order. Each peer records which mini-batches went into which
@@ -102,8 +102,8 @@ def run_config(dpu: bool, strict: bool):
 def peer_main(index: int, work: Path, epochs: int, dpu: bool, strict: bool) -> None:
     """One peer: train until the swarm's step ``epochs``, write what went into each step, wait for the others."""
     import torch
-
-    from dedloc_worker.swarm import create_dht, create_optimizer
+    from dedloc_worker.swarm.node import create_dht
+    from dedloc_worker.training.options import create_optimizer
 
     torch.set_num_threads(1)
     if strict:
@@ -141,7 +141,7 @@ def peer_main(index: int, work: Path, epochs: int, dpu: bool, strict: bool) -> N
                 dropped += len(pending) - kept
                 kept_batches = pending[len(pending) - kept:]
                 steps[finished.epoch] = dict(batches=[b for b, _, _ in kept_batches],
-                                             losses=[l for _, l, _ in kept_batches],
+                                             losses=[loss for _, loss, _ in kept_batches],
                                              versions=[v for _, _, v in kept_batches], group=members,
                                              params=parameters(model), params_version=versions.now())
                 pending = []
@@ -209,8 +209,7 @@ def reference(peers: list[dict], epochs: int, strict: bool, fresh: bool = False)
     import copy
 
     import torch
-
-    from dedloc_worker.swarm import inner_optimizer
+    from dedloc_worker.training.options import inner_optimizer
 
     torch.set_num_threads(1)
     if strict:
@@ -317,7 +316,9 @@ def markdown(rows: list[dict]) -> str:
              "Written by `python -m bench.equivalence` (part of `make bench`): two peers running the worker's swarm "
              "code on a tiny MLP (synthetic data,", f"a fixed order), global batch {TARGET_BATCH} of mini-batches of "
              f"{BATCH}, AdamW lr {LR}, against one process replaying the same mini-batches per step. Loss gap: mean "
-             "(max) |swarm - reference| of", "the per-step loss, the reference computing each mini-batch at the parameters' version", "the swarm computed it at "
+             "(max) |swarm - reference| of",
+             "the per-step loss, the reference computing each mini-batch at the parameters' version",
+             "the swarm computed it at "
              "(with delayed updates a step's first mini-batches are one version behind: stale); vs fresh: against "
              "training without delay. strict: no delayed updates, plain mean, float32 gradients, deterministic "
              "kernels; the curves compress gradients as the run's default does (the reference averages float32).",

@@ -41,9 +41,9 @@ from app.core.database import make_engine, make_sessionmaker
 from app.core.processes import spawn, stop
 from app.runs.registry import get_run
 from app.runs.snapshots import record_snapshot
+from bench import write_results
 from bench.crediting import simulated_epoch
 from tests.support.postgres import postgres_bin, throwaway_postgres
-from bench import write_results
 
 SLUG = "bench"
 WITHIN = 2.0  # seconds from a snapshot to every viewer

@@ -22,11 +22,19 @@ from pathlib import Path
 
 from dedloc_common.contract import OptimizerOptions
 
-from bench.emulate_averaging import (
-    PROFILES, VECTOR_BYTES, Profile, Settings, Star, _exit_on_signal, namespaces_unavailable, run_round,
-    signals_ignored, start_peers,
-)
 from bench import write_results
+from bench.emulate_averaging import (
+    PROFILES,
+    VECTOR_BYTES,
+    Profile,
+    Settings,
+    Star,
+    _exit_on_signal,
+    namespaces_unavailable,
+    run_round,
+    signals_ignored,
+    start_peers,
+)
 
 DEFAULT_OUT = Path("bench/results/robust_cost.json")
 ROUNDS = 7

@@ -126,7 +126,7 @@ def markdown(rows: Sequence[dict]) -> str:
     lines = [
         "# Averaging in groups: a simulated swarm", "",
         "Written by `python -m bench.simulate_groups` (part of `make bench`): the planner's `plan_step` on a seeded",
-        f"swarm (a tenth 1 Gbit/s servers, the rest 100/20 Mbit/s home links, a fifth of those behind NAT, a fifth of",
+        "swarm (a tenth 1 Gbit/s servers, the rest 100/20 Mbit/s home links, a fifth of those behind NAT, a fifth of",
         f"all peers on CPU), V = {VECTOR_BYTES / 1e6:.0f} MB, {TARGET_BATCH:,} samples per step, delayed parameter "
         "updates. Lost: the share of the",
         "global batch whose round fails when one peer dies mid-round (its group's samples). Planning: median wall "

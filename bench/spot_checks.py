@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from dedloc_common.contract import RunConfig
+
 from bench import write_results
 
 RATE = 0.02  # the default spot_check_rate (dedloc_common.contract.CheckpointOptions)
@@ -39,10 +39,11 @@ class LocalSteps:
 
 
 def demo_task(folder: Path):
-    from app.cli.demo import DEMO_OPTIMIZER, DEMO_TASK, write_corpus
-    from app.runs import files as run_files
     from dedloc_common.tasks import validate_task
     from dedloc_worker.tasks.hf import MaskedLM
+
+    from app.cli.demo import DEMO_OPTIMIZER, DEMO_TASK, write_corpus
+    from app.runs import files as run_files
 
     train, held_out = write_corpus(folder / "corpus")
     options = validate_task("masked-lm", DEMO_TASK)
@@ -57,7 +58,7 @@ def demo_task(folder: Path):
 def epoch_seconds(task, config, mini_steps: int, sketched: bool) -> tuple[float, float, float, float]:
     """(seconds of ``mini_steps`` worker mini-steps, of which adding to the gradient sum, the epoch's sketch, the
     reseed that opens the epoch)."""
-    from dedloc_worker import trainer
+    from dedloc_worker.training import loop as trainer
 
     started = time.thread_time()
     tally = trainer.open_epoch(task, config, "0" * 64, 1)
@@ -86,7 +87,7 @@ def epoch_seconds(task, config, mini_steps: int, sketched: bool) -> tuple[float,
 
 
 def measure(mini_steps: int, repeats: int) -> dict:
-    from dedloc_worker.spot_checks import recompute
+    from dedloc_worker.training.spot_checks import recompute
 
     torch.set_num_threads(1)
     with tempfile.TemporaryDirectory() as folder:
@@ -108,7 +109,8 @@ def measure(mini_steps: int, repeats: int) -> dict:
                                                                                  check))
     return {"model": "demo: ALBERT masked LM", "parameters": parameters, "mini_steps": mini_steps,
             "batch_size": config.batch_size, "repeats": repeats, "epoch_s": round(epoch, 4),
-            "gradient_sum_s": round(summed, 5), "sketch_s": round(sketch_s, 5), "reseed_s": round(reseed_s, 5), "recompute_s": round(check_s, 4),
+            "gradient_sum_s": round(summed, 5), "sketch_s": round(sketch_s, 5), "reseed_s": round(reseed_s, 5),
+            "recompute_s": round(check_s, 4),
             "worker_overhead": round((summed + sketch_s + reseed_s) / epoch, 5),
             "swarm_cost_at_default_rate": round(RATE * check_s / epoch, 4)}
 

@@ -40,11 +40,11 @@ import time
 from pathlib import Path
 
 import httpx
+from dedloc_common.contract import LOOPBACK_OPTIMIZER, OptimizerOptions
+from dedloc_worker.terminal import NO_GROUP, PART_LATE, RESULTS_LATE
 
 from app.cli.demo import DEMO_TASK, write_corpus
 from app.core.processes import group_members, spawn, stop_all
-from dedloc_common.contract import LOOPBACK_OPTIMIZER, OptimizerOptions
-from dedloc_worker.terminal import NO_GROUP, PART_LATE, RESULTS_LATE
 from bench import write_results
 
 RESULTS = Path("bench/results")
@@ -83,17 +83,17 @@ def solo_rate(task: str, target: int, seconds: float, corpus: Path, device: str 
 
 def solo_main(task_name: str, target: int, seconds: float, corpus: Path, device: str) -> None:
     import torch
-
     from dedloc_common.contract import RunConfig
-    from dedloc_worker import device as devices
     from dedloc_worker.tasks import build_task
+    from dedloc_worker.training import device as devices
 
     torch.set_num_threads(1)
     spec = TASKS[task_name]
     files = {}
     if spec["files"]:
-        from app.runs import files as run_files
         from dedloc_common.tasks import validate_task
+
+        from app.runs import files as run_files
 
         options = validate_task(spec["task"], spec["options"])
         stored = run_files.add_run_files(corpus / "solo-data" / str(os.getpid()), "solo", spec["task"], options,

@@ -2,10 +2,10 @@
 
 from alembic import context
 
+import app.identity.models  # noqa: F401  (registers the identity tables on Base.metadata)
 from app.core.config import Settings
 from app.core.database import make_engine
 from app.models import Base
-import app.identity.models  # noqa: F401  (registers the identity tables on Base.metadata)
 
 config = context.config
 url = config.get_main_option("sqlalchemy.url") or Settings().resolved_database_url

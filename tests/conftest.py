@@ -19,7 +19,7 @@ from app.identity.device import DevicePolicy
 from app.web.auth_routes import device_policy
 from app.web.main import create_app
 from tests.support.browsers import launch_chromium
-from tests.support.harness import ROOT, Deployment, free_port
+from tests.support.harness import ROOT, Deployment
 from tests.support.oidc_provider import LoopbackServer, OidcProvider
 from tests.support.portal import CLIENT_ID, CLIENT_SECRET, QUICK, SECRET_KEY, Portal
 from tests.support.postgres import postgres_bin, throwaway_postgres

@@ -7,8 +7,8 @@ import time
 
 import hivemind
 import pytest
-from dedloc_worker.admission import AdmissionState, TokenCheck, admitted_peers, guard_handlers, parse_expiration
 from dedloc_common.signing import load_public_openssh, new_private_key, peer_id_of, public_openssh, sign, verify
+from dedloc_worker.admission.gate import AdmissionState, TokenCheck, admitted_peers, guard_handlers, parse_expiration
 from hivemind.p2p import P2P, PeerID
 from hivemind.p2p.p2p_daemon import P2PContext
 from hivemind.proto import crypto_pb2
@@ -16,11 +16,10 @@ from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.auth import TokenAuthorizerBase
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from app.runs import registry
-
 from app.authority import tokens
 from app.core.config import Settings
 from app.core.errors import Forbidden, Invalid, TooManyRequests
+from app.runs import registry
 from tests.support.factories import peer_token
 
 
@@ -167,8 +166,8 @@ def test_admission_policy_bans_and_limits(run, tmp_path):
 def test_an_expired_token_with_the_portal_unreachable_stops_the_worker_with_words(tmp_path):
     import threading
 
-    from dedloc_worker.admission import Refused
-    from dedloc_worker.keeper import AdmissionKeeper
+    from dedloc_worker.admission.gate import Refused
+    from dedloc_worker.admission.keeper import AdmissionKeeper
     from dedloc_worker.errors import PortalError
 
     authority, peer = new_private_key(), RSAPrivateKey()

@@ -9,8 +9,8 @@ from datetime import datetime, timedelta, timezone
 import pytest
 from fastapi.testclient import TestClient
 
-from app.runs import registry
 from app.core.config import Settings
+from app.runs import registry
 from app.runs.snapshots import record_snapshot
 from app.web.main import create_app
 from tests.support.factories import contribution, seed_credit
@@ -63,11 +63,13 @@ def test_join_info_offers_only_live_coordinators(client, sessions):
     info = client.get("/api/v1/runs/demo/join").json()
     assert info["initial_peers"] == [] and info["config"]["target_batch_size"] == 4096
     with sessions() as session:
-        registry.register_coordinator(session, registry.get_run(session, "demo"), "QmPeer", ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"])
+        registry.register_coordinator(session, registry.get_run(session, "demo"), "QmPeer",
+                                      ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"])
     assert client.get("/api/v1/runs/demo/join").json()["initial_peers"] == ["/ip4/127.0.0.1/tcp/1/p2p/QmPeer"]
 
 
-@pytest.mark.parametrize("path", ["/api/v1/runs/nope/swarm", "/api/v1/runs/nope/history", "/api/v1/runs/nope/leaderboard",
+@pytest.mark.parametrize("path", ["/api/v1/runs/nope/swarm", "/api/v1/runs/nope/history",
+                                  "/api/v1/runs/nope/leaderboard",
                                   "/api/v1/runs/nope/join", "/api/v1/runs/nope"])
 def test_unknown_run_is_a_404_with_a_reason(client, path):
     response = client.get(path)
@@ -116,7 +118,7 @@ def test_the_web_app_never_imports_torch_or_hivemind():
 
 
 def test_the_worker_never_imports_the_portal():
-    code = ("import sys, dedloc_worker.cli, dedloc_worker.trainer, dedloc_worker.portal; "
+    code = ("import sys, dedloc_worker.cli, dedloc_worker.training.loop, dedloc_worker.portal.client; "
             "print(sorted(m for m in sys.modules if m == 'app' or m.startswith('app.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]"

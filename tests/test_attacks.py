@@ -13,12 +13,11 @@ from dedloc_common.signing import new_private_key
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils.crypto import RSAPrivateKey
 
-from app.runs import registry
-
 from app.authority import tokens
-from app.core.processes import group_members
 from app.core.config import Settings
 from app.core.database import make_engine, make_sessionmaker
+from app.core.processes import group_members
+from app.runs import registry
 from tests.support.actors import ATTACKER
 from tests.support.factories import peer_token
 from tests.support.harness import wait_for

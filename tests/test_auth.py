@@ -19,16 +19,16 @@ from urllib.parse import parse_qs, urlencode, urlsplit
 import httpx
 import pytest
 from dedloc_worker.errors import PortalError
-from dedloc_worker.login import Credential, device_login, forget_credential, load_credential, save_credential
+from dedloc_worker.portal.login import Credential, device_login, forget_credential, load_credential, save_credential
 from fastapi.testclient import TestClient
 from sqlalchemy import func, inspect, select
 
+from app.core.clock import utcnow
+from app.core.config import Settings
+from app.core.database import downgrade, make_engine, migrate
 from app.identity import oidc
 from app.identity.device import DevicePolicy
 from app.identity.models import ApiCredential, DeviceCode, User
-from app.core.config import Settings
-from app.core.database import downgrade, make_engine, migrate
-from app.core.clock import utcnow
 from app.web.main import create_app
 from tests.support.portal import CLIENT_ID, CLIENT_SECRET, SECRET_KEY, LoginThread, Portal, form_token
 
@@ -454,7 +454,8 @@ def test_the_credentials_file_is_private_and_logout_removes_it(tmp_path, monkeyp
 
 
 def logout(portal_url: str, config_home) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "dedloc_worker", "logout", portal_url], capture_output=True, text=True, timeout=60,
+    return subprocess.run([sys.executable, "-m", "dedloc_worker", "logout", portal_url], capture_output=True, text=True,
+                          timeout=60,
                           env={**os.environ, "XDG_CONFIG_HOME": str(config_home)})
 
 

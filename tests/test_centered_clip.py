@@ -1,4 +1,4 @@
-"""CenteredClip alone (dedloc_worker.centered_clip), and the reducer that applies it to a round's parts."""
+"""CenteredClip alone (dedloc_worker.averaging.centered_clip), and the reducer that applies it to a round's parts."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import math
 
 import pytest
 import torch
-from dedloc_worker.centered_clip import centered_clip
-from dedloc_worker.robust import RobustPartReducer, RobustRule, notable_attestations
+from dedloc_worker.averaging.centered_clip import centered_clip
+from dedloc_worker.averaging.robust import RobustPartReducer, RobustRule, notable_attestations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -92,7 +92,8 @@ def test_the_reducer_drops_non_finite_parts_caps_weights_and_clips_and_says_whom
     # weight x100 against a cap of 2 samples: it counts twice, not a hundred times (tau large: a plain mean)
     result, notes = reduce(honest + [torch.full((4,), 5.0)], [1.0, 1.0, 1.0, 100.0], rule, weight_cap=2.0)
     torch.testing.assert_close(result, torch.full((4,), (3.0 + 2 * 5.0) / 5))
-    assert notes == {"peer3": {"parts": 1, "weight": 100.0, "used": 2.0, "dropped": 0, "clipped": 0, "kept": 1.0}}
+    assert notes == {"peer3": {"parts": 1, "weight": 100.0, "used": 2.0, "dropped": 0, "clipped": 0, "kept": 1.0,
+                               "expected": 1, "nonfinite": 0, "zeros": 0}}
 
     # x1000 with a small radius: clipped, and named with how much of its offset was kept
     result, notes = reduce(honest + [1000 * honest[0]], [1.0] * 4, RobustRule(tau=2.0, iterations=30))
@@ -121,7 +122,8 @@ def test_the_cap_is_the_ceiling_times_the_observed_time_plus_grace():
 
 
 # sha256 of inspect.getsource(TensorPartReducer.accumulate_part) in hivemind 1.1.12, which RobustPartReducer copies
-# (keeping each part instead of summing it). If this changes, port hivemind's change to dedloc_worker/robust.py.
+# (keeping each part instead of summing it). If this changes, port hivemind's change to
+# dedloc_worker/averaging/robust.py.
 ACCUMULATE_PART_SHA256 = "1d64a8bd77052ac43ed43003ec04ade86d07114ac5b50ec0a023470896d21793"
 
 
@@ -140,7 +142,7 @@ def test_the_hivemind_reducer_code_copied_is_that_of_1_1_12():
 
 def test_the_worker_takes_its_rule_from_the_run_config():
     from dedloc_common.contract import OptimizerOptions, RunConfig
-    from dedloc_worker.swarm import robust_rule
+    from dedloc_worker.training.options import robust_rule
 
     def config(**options):
         return RunConfig(slug="r", run_id="r", task="tiny-lm", target_batch_size=64, batch_size=16,

@@ -1,5 +1,5 @@
 """A worker keeps every claim until the coordinator acknowledges it, its record carrying the oldest of them, and the
-record alive (dedloc_worker.claims): the outbox's bound on its own (an hour of claims, no DHT), then on real
+record alive (dedloc_worker.credit.outbox): the outbox's bound on its own (an hour of claims, no DHT), then on real
 hivemind DHT nodes in this process, with an acknowledgement signed by a run's authority key and one signed by
 another key."""
 
@@ -12,15 +12,29 @@ import time
 from collections import deque
 
 import pytest
-from dedloc_common.contract import (PENDING_CLAIMS_BYTES, PENDING_CLAIMS_KEPT, RECENT_EPOCHS_KEPT, AckRecord,
-                                   EpochContribution, MetricsRecord, ack_payload, encode_sketch, peer_key_of_subkey)
+from dedloc_common.contract import (
+    PENDING_CLAIMS_BYTES,
+    PENDING_CLAIMS_KEPT,
+    RECENT_EPOCHS_KEPT,
+    AckRecord,
+    EpochContribution,
+    MetricsRecord,
+    ack_payload,
+    encode_sketch,
+    peer_key_of_subkey,
+)
 from dedloc_common.signing import new_private_key, public_openssh, sign
-from dedloc_worker.admission import TokenCheck
-from dedloc_worker.claims import CLAIMS_HELD, ClaimKeeper, ClaimOutbox
-from dedloc_worker.receipts import ReceiptLog
-from dedloc_worker.records import (MetricsPublisher, add_record_validators, publish_acks, publish_metrics, read_metrics,
-                                   use_outbox)
-from dedloc_worker.swarm import create_dht
+from dedloc_worker.admission.gate import TokenCheck
+from dedloc_worker.credit.outbox import CLAIMS_HELD, ClaimKeeper, ClaimOutbox
+from dedloc_worker.credit.receipts import ReceiptLog
+from dedloc_worker.swarm.node import create_dht
+from dedloc_worker.swarm.records import (
+    MetricsPublisher,
+    add_record_validators,
+    publish_acks,
+    publish_metrics,
+    read_metrics,
+)
 from hivemind.utils.crypto import RSAPrivateKey
 
 pytestmark = pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
@@ -153,13 +167,12 @@ def test_claims_stay_in_the_swarm_until_the_coordinators_signed_acknowledgement(
         return [c.epoch for m in read_metrics(coordinator, RUN) for c in m.record.recent]
 
     outbox = ClaimOutbox()
-    use_outbox(signature, outbox)
     keeper = ClaimKeeper(worker, RUN, signature, check, outbox, interval=0.5)
     try:
         recent = deque(maxlen=RECENT_EPOCHS_KEPT)
         for epoch in range(40):  # the coordinator is down: 40 epochs, more than the training loop repeats
             recent.append(contribution(epoch))
-            assert publish_metrics(worker, RUN, signature, record_of(recent))
+            assert publish_metrics(worker, RUN, signature, record_of(recent), outbox=outbox)
         assert published() == list(range(40))
 
         acknowledge(29, key=new_private_key())  # not the run's authority: changes nothing
@@ -180,7 +193,6 @@ def test_claims_stay_in_the_swarm_until_the_coordinators_signed_acknowledgement(
         time.sleep(1.5 * ttl)
         assert published() == []
     finally:
-        use_outbox(signature, None)
         keeper.halted.set()
 
 

@@ -8,8 +8,7 @@ import subprocess
 import sys
 
 import pytest
-
-from dedloc_worker.join import CREDENTIAL_ENV
+from dedloc_worker.session import CREDENTIAL_ENV
 
 from tests.support.harness import Deployment, free_port
 
@@ -80,10 +79,18 @@ def test_create_run_refuses_a_bad_slug(tmp_path):
     assert "must be lowercase letters" in one_line(done.stderr)
 
 
-def test_create_run_refuses_bad_optimizer_options(tmp_path):
-    done = run("-m", "app.cli", "create-run", "ok", "--optimizer", '{"lr": -1}', env={"DEDLOC_DATA_DIR": str(tmp_path)})
+@pytest.mark.parametrize("options, named", [
+    ('{"lr": -1}', "optimizer.lr: Input should be greater than 0"),
+    ('{"algorithm": "gossip"}', "optimizer.algorithm: Input should be 'large-batch' or 'local-updates'"),
+    ('{"algorithm": "local-updates", "outer_batch_size": 0}', "optimizer.outer_batch_size: Input should be greater"),
+    ('{"algorithm": "local-updates", "outer_lr": -0.7}', "optimizer.outer_lr: Input should be greater than 0"),
+])
+def test_create_run_refuses_bad_optimizer_options(tmp_path, options, named):
+    done = run("-m", "app.cli", "create-run", "ok", "--optimizer", options, env={"DEDLOC_DATA_DIR": str(tmp_path)})
     assert done.returncode == 2
-    assert "optimizer.lr: Input should be greater than 0" in one_line(done.stderr)
+    assert named in one_line(done.stderr)
+    control = run("-m", "app.cli", "create-run", "ok", env={"DEDLOC_DATA_DIR": str(tmp_path)})
+    assert control.returncode == 0, control.stderr  # nothing of the refused run was stored
 
 
 @pytest.mark.parametrize("options, files, named", [
@@ -102,7 +109,8 @@ def test_create_run_names_the_bad_task_option_in_one_line(tmp_path, options, fil
                *paths, env={"DEDLOC_DATA_DIR": str(tmp_path / "data")})
     assert done.returncode == 2 and named in one_line(done.stderr), done.stderr
     # Nothing of the refused run stays: the slug is free, no file is kept.
-    assert not (tmp_path / "data" / "runs" / "bad").exists() or not any((tmp_path / "data" / "runs" / "bad").rglob("*.*"))
+    bad = tmp_path / "data" / "runs" / "bad"
+    assert not bad.exists() or not any(bad.rglob("*.*"))
     control = run("-m", "app.cli", "create-run", "bad", env={"DEDLOC_DATA_DIR": str(tmp_path / "data")})
     assert control.returncode == 0, control.stderr
 

@@ -10,7 +10,6 @@ import re
 import shlex
 import subprocess
 import sys
-from pathlib import Path
 
 import httpx
 import pytest

@@ -4,19 +4,18 @@ and the credited and held series of /metrics. Hidden users appear in no public p
 
 from __future__ import annotations
 
-import re
 from datetime import datetime, timedelta
 
 import pytest
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from app.runs import registry
-from app.credit.ledger import leaderboard
-from app.identity.models import User
 from app.core.config import Settings
+from app.credit.ledger import leaderboard
 from app.credit.review import REASON_LENGTH, released_reason
 from app.credit.standings import team_leaderboard
+from app.identity.models import User
+from app.runs import registry
 from app.web.main import create_app
 from tests.support.factories import ALICE_KEY, ALONE, HIDDEN_NAME, START, TOO_FAST, populate
 from tests.support.portal import form_token

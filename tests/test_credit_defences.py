@@ -301,3 +301,127 @@ def test_one_user_cannot_raise_their_credit_above_what_another_user_saw_nor_cut_
         # (outvoted, or not a member): at most as one side of a word-against-word claim
         disputing = {d.username for d in review.disputers(session, run)}
         assert not disputing & {peer.username for peer in honest_peers}, disputes_by_author(session, run)
+
+
+# --- the ceiling follows the run ------------------------------------------------------------------------------------
+
+HONEST_RATE = 190.0  # samples/s per worker: the demo's ALBERT on one CPU
+EPOCH_SECONDS = 20.0  # each epoch as the coordinator sees it: from the snapshot before it to the one after
+
+
+def swarm_epochs(session, run, tmp_path, offset: int = 0):
+    """alice, bob and carol train five epochs at ~190, 180 and 170 samples/s, confirming each other in rounds of
+    three; then mallory joins alice and bob with a weight 25x alice's, which their aggregators saw (he averaged with
+    it: receipts confirm it). Snapshots one per epoch, 10 s apart, so each epoch lasted 20 s to the coordinator."""
+    alice, bob, carol, mallory = (Peer(session, run, name, tmp_path, offset + i)
+                                  for i, name in enumerate(("alice", "bob", "carol", "mallory")))
+    add_snapshots(session, run, *((80 - 10 * epoch, epoch) for epoch in range(8)))
+    rates = {alice: HONEST_RATE, bob: 180.0, carol: 170.0}
+    credit_epochs(session, run, [record for epoch in range(1, 6) for record in round_of(
+        f"r{epoch}", epoch, {peer: int(rate * EPOCH_SECONDS) for peer, rate in rates.items()})])
+    inflated = 25 * int(HONEST_RATE * EPOCH_SECONDS)
+    credit_epochs(session, run, round_of("r6", 6, {alice: 3800, bob: 3600, mallory: inflated}))
+    return inflated
+
+
+def test_without_an_organizers_ceiling_a_25x_weight_is_capped_at_a_multiple_of_the_measured_rates(
+        sessions, tmp_path):
+    """No ceiling set: after five confirmed epochs at ~190 samples/s the ceiling in force is 4 x 190 = 760
+    samples/s, and mallory's 25x claim (4,750 samples/s) is credited up to 760 x 20 s, the rest held with the
+    reason; alice's and bob's claims in the same round are credited in full. The control: the same swarm in a run
+    whose organizer set 5,000 samples/s credits all of it (the organizer's ceiling wins)."""
+    from app.credit.ceiling import DEFAULT_CEILING, MULTIPLE, in_force
+
+    with sessions() as session:
+        run = aged_run(session, "measured")
+        assert in_force(session, run).source == "default"  # nothing confirmed yet
+        inflated = swarm_epochs(session, run, tmp_path)
+        ceiling = in_force(session, run)
+        assert (ceiling.source, ceiling.samples_per_second) == ("measured", pytest.approx(MULTIPLE * HONEST_RATE))
+        capped = int(MULTIPLE * HONEST_RATE * EPOCH_SECONDS)
+        mallory = session.query(Contribution).filter_by(run_id=run.id, username="mallory").one()
+        assert (mallory.credited, mallory.held) == (capped, inflated - capped)
+        assert "ceiling is 760" in mallory.reason
+        for name, sent in (("alice", 3800), ("bob", 3600)):
+            row = session.query(Contribution).filter_by(run_id=run.id, username=name, epoch=6).one()
+            assert (row.credited, row.held) == (sent, 0)
+
+        control = aged_run(session, "chosen", samples_per_second_ceiling=DEFAULT_CEILING)
+        swarm_epochs(session, control, tmp_path, offset=4)
+        assert in_force(session, control).source == "organizer"
+        assert totals(session, control)["mallory"] == (inflated, 0)
+
+
+def test_the_derived_ceiling_is_the_fastest_confirmed_median_times_the_multiple_at_most_the_default():
+    from app.credit.ceiling import DEFAULT_CEILING, MIN_CONFIRMED, MULTIPLE, derive
+
+    assert derive({}) is None
+    assert derive({"a": [100.0] * (MIN_CONFIRMED - 1)}) is None  # too few confirmed epochs to go by
+    # per peer the median, so one fast epoch moves nothing; the fastest peer's median sets it
+    assert derive({"a": [100.0, 100.0, 900.0], "b": [150.0, 160.0, 170.0]}) == pytest.approx(MULTIPLE * 160.0)
+    # colluders confirming each other near the ceiling can raise it to the default, never past it
+    assert derive({"x": [1e6] * MIN_CONFIRMED}) == DEFAULT_CEILING
+
+
+def test_the_plan_carries_the_ceiling_in_force_signed_and_the_worker_caps_with_it(sessions, tmp_path):
+    """The coordinator's plan record carries the derived ceiling, signed by the run's authority apart from the plan
+    (so a reader that knows nothing of ceilings verifies the plan as before); a worker keeps it only with that
+    signature, and its plan follower hands it to the gradient averager's weight cap."""
+    from dedloc_common.contract import LinkReport, plan_payload
+    from dedloc_common.signing import verify
+    from dedloc_worker.admission.gate import TokenCheck
+    from dedloc_worker.averaging.planning import PlanFollower
+    from dedloc_worker.swarm.records import authentic_ceiling
+
+    from app.authority.tokens import authority_public_key
+    from app.coordinator.planning import LinkSeen, PlanKeeper
+    from app.credit.ceiling import MULTIPLE
+
+    settings = Settings(database_url="sqlite://", data_dir=tmp_path)
+    with sessions() as session:
+        run = aged_run(session, "carried")
+        swarm_epochs(session, run, tmp_path)
+        link = LinkReport(upload_bps=1e7, download_bps=1e7, measured_at=1.0, vector_bytes=10_000_000)
+        peers = [LinkSeen(f"k{i}", f"peer-{i}", name, link, "cpu: 1 thread", 190.0)
+                 for i, name in enumerate(("alice", "bob"))]
+        record = PlanKeeper(settings, clock=lambda: 0.0, wall_clock=lambda: 2.0).update(session, run, peers)
+        check = TokenCheck(authority_public_key(session, settings, run))
+    assert record.ceiling == pytest.approx(MULTIPLE * HONEST_RATE)
+    assert verify(check.authority, plan_payload(record.shares, record.predicted_seconds, record.issued_at,
+                                                record.groups), record.signature)  # the plan signs as before
+    assert authentic_ceiling(record, check) == record
+    forged = record.copy(update=dict(ceiling=1e9))
+    assert authentic_ceiling(forged, check).ceiling is None  # a ceiling the authority did not sign is dropped
+    old = record.copy(update=dict(ceiling=None, ceiling_signature=""))
+    assert authentic_ceiling(old, check) == old  # a plan from before ceilings rode along reads as before
+
+    follower = PlanFollower(None, "run", check, link)
+    follower.newest = record
+    averager = CappingAverager()
+    follower.after_epoch(averager)
+    assert averager.rule.weight_cap(10.0) == pytest.approx(MULTIPLE * HONEST_RATE * 10.0)
+
+
+class CappingAverager:
+    """The gradient averager as the plan follower drives it, with the robust rule its weight cap reads."""
+
+    peer_id = "12D3KooWPeer"
+
+    def __init__(self):
+        from dedloc_worker.averaging.robust import RobustRule
+
+        self.rule = RobustRule(tau=1.0, iterations=1, ceiling=5000.0)
+
+    def set_plan(self, plan):
+        self.plan = plan
+
+    def set_ceiling(self, samples_per_second):
+        import dataclasses
+
+        self.rule = dataclasses.replace(self.rule, ceiling=samples_per_second)
+
+    def set_group_bits(self, bits, wait=True):
+        self.bits = bits
+
+    def last_round(self, timeout=None):
+        return None

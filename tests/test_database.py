@@ -5,13 +5,14 @@ from __future__ import annotations
 import pytest
 from sqlalchemy import inspect
 
-from app.runs import registry
 from app.core.database import downgrade, make_engine, migrate
 from app.core.errors import Invalid, NotFound
+from app.runs import registry
 
-TABLES = {"runs", "coordinators", "snapshots", "contributions", "users", "api_credentials", "device_codes", "receipts", "peers",
+TABLES = {"runs", "coordinators", "snapshots", "contributions", "users", "api_credentials", "device_codes", "receipts",
+          "peers",
           "peer_tokens", "run_bans", "run_allowlist", "averaging_plans", "run_organizers", "checkpoints",
-          "disputes", "spot_checks"}
+          "disputes", "spot_checks", "evaluations"}
 
 
 def table_names(url: str) -> set[str]:

@@ -1,12 +1,12 @@
-"""A store reuses its key's recent lookup (dedloc_worker.dht_lookups), between two real DHT nodes on loopback."""
+"""A store reuses its key's recent lookup (dedloc_worker.swarm.lookups), between two real DHT nodes on loopback."""
 
 from __future__ import annotations
 
 import asyncio
 
 import pytest
-from dedloc_worker import dht_lookups
-from dedloc_worker.dht_lookups import RemembersNearest
+from dedloc_worker.swarm import lookups as dht_lookups
+from dedloc_worker.swarm.lookups import RemembersNearest
 from hivemind.dht.node import DHTNode
 from hivemind.utils import get_dht_time
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 from datetime import datetime, timedelta, timezone
 
 import httpx
-from hypothesis import given, settings, strategies as st
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from sqlalchemy import func, select
 
 from app.models import Snapshot

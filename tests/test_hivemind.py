@@ -9,8 +9,9 @@ import time
 import pytest
 import torch
 from dedloc_common.contract import EpochContribution, MetricsRecord, OptimizerOptions, RunConfig
-from dedloc_worker.records import add_record_validators, publish_metrics, read_metrics
-from dedloc_worker.swarm import RelayWatch, create_dht, create_optimizer, relay_addresses, relay_options
+from dedloc_worker.swarm.node import RelayWatch, create_dht, relay_addresses, relay_options
+from dedloc_worker.swarm.records import add_record_validators, publish_metrics, read_metrics
+from dedloc_worker.training.options import create_optimizer
 
 from app.core.processes import group_members
 from tests.support.actors import FAULTY_TASK
@@ -184,7 +185,7 @@ def test_an_averager_leaving_with_a_round_under_way_ends_it_without_raising(two_
     process (docs/hivemind.md#pitfalls, 24)."""
     import asyncio
 
-    from dedloc_worker.leaving import EndsRunningRounds
+    from dedloc_worker.swarm.leaving import EndsRunningRounds
     from hivemind.averaging import DecentralizedAverager
 
     class Averager(EndsRunningRounds, DecentralizedAverager):
@@ -332,9 +333,9 @@ def test_a_caller_the_keeper_does_not_know_makes_it_read_the_tokens_at_once(two_
     import threading
 
     from dedloc_common.signing import new_private_key, peer_id_of, public_openssh
-    from dedloc_worker import keeper as keeping
-    from dedloc_worker.admission import AdmissionState, TokenCheck, wait_admitted
-    from dedloc_worker.records import publish_token
+    from dedloc_worker.admission import keeper as keeping
+    from dedloc_worker.admission.gate import AdmissionState, TokenCheck, wait_admitted
+    from dedloc_worker.swarm.records import publish_token
     from hivemind.utils.crypto import RSAPrivateKey
 
     from tests.support.factories import peer_token

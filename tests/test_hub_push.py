@@ -165,7 +165,7 @@ def test_a_refused_token_or_an_unreachable_hub_is_one_line(local_hub, model_fold
 
 def test_the_checkpointer_hook_pushes_the_stored_archive_and_survives_a_failed_push(local_hub, model_folder,
                                                                                     tmp_path, monkeypatch, capsys):
-    from dedloc_worker.checkpoints import write_archive
+    from dedloc_worker.training.checkpoints import write_archive
 
     from app.core.database import make_engine, make_sessionmaker, migrate
     from app.models import Contribution

@@ -8,7 +8,6 @@ import os
 import re
 import subprocess
 import sys
-import time
 import venv
 from pathlib import Path
 
@@ -104,7 +103,6 @@ def test_the_installed_portal_serves_from_any_folder(installed, tmp_path):
 def test_the_coordinator_extra_is_what_the_worker_needs():
     """The coordinator runs dedloc_worker's code from the portal's package: its extra must carry the worker's needs."""
     import tomllib
-
     from packaging.requirements import Requirement
 
     def names(requirements):

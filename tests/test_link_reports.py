@@ -6,10 +6,9 @@ import threading
 import time
 
 import pytest
-
 from dedloc_common.contract import LinkReport
-from dedloc_worker.averaging import RoundOutcome, Transfers
-from dedloc_worker.planning import LinkMeter, PlanFollower, link_report
+from dedloc_worker.averaging.planned import RoundOutcome, Transfers
+from dedloc_worker.averaging.planning import LinkMeter, PlanFollower, link_report
 
 
 def wait_until(condition, timeout: float = 10.0) -> bool:
@@ -143,9 +142,9 @@ def test_the_first_report_dates_its_measurement_and_a_failed_one_says_so():
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor:UserWarning")
 def test_the_reported_vector_is_the_gradients_size_on_the_wire_under_the_runs_compression():
     import torch
-    from hivemind.compression import CompressionInfo
-    from dedloc_worker.swarm import gradient_compression
     from dedloc_common.contract import OptimizerOptions
+    from dedloc_worker.training.options import gradient_compression
+    from hivemind.compression import CompressionInfo
 
     elements = 131072  # a 128 KiB part at one byte an element
     params = [torch.nn.Parameter(torch.randn(elements)), torch.nn.Parameter(torch.randn(100), requires_grad=False)]

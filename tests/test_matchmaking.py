@@ -1,4 +1,4 @@
-"""Matchmaking reads the group key at a bounded rate (dedloc_worker.matchmaking), on a real DHT."""
+"""Matchmaking reads the group key at a bounded rate (dedloc_worker.averaging.matchmaking), on a real DHT."""
 
 from __future__ import annotations
 
@@ -10,8 +10,9 @@ import hivemind.averaging.averager as averager_module
 import pytest
 import torch
 from dedloc_common.contract import OptimizerOptions, RunConfig
-from dedloc_worker.matchmaking import READS_PER_WINDOW, Paced, PacedMatchmaking
-from dedloc_worker.swarm import create_dht, create_optimizer
+from dedloc_worker.averaging.matchmaking import READS_PER_WINDOW, Paced, PacedMatchmaking
+from dedloc_worker.swarm.node import create_dht
+from dedloc_worker.training.options import create_optimizer
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
 

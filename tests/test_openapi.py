@@ -4,12 +4,15 @@ are checked here directly."""
 
 from __future__ import annotations
 
+import json
 import re
 import subprocess
 import sys
 from datetime import datetime, timedelta, timezone
 from pathlib import Path
+from urllib.parse import urlsplit
 
+import httpx
 import pytest
 from fastapi.testclient import TestClient
 
@@ -55,14 +58,40 @@ def test_schemathesis_finds_no_failure_against_a_live_portal(deployment, output_
     report = output_dir / "schemathesis"
     report.mkdir(exist_ok=True)
     # Revoking a credential ends the others' authenticated cases, so that operation runs alone, with its own.
+    har = report / "api.har"
     everything = schemathesis(deployment.url, fuzzing, "--exclude-path", "/api/v1/me/credential",
+                              "--report", "har", "--report-har-path", str(har),
                               output=report / "api.txt", cwd=deployment.workdir)
     assert everything.returncode == 0, everything.stdout[-6000:] + everything.stderr[-2000:]
+    # Every status the portal answered the fuzzer with is one the document lists for that operation.
+    seen = answered_statuses(json.loads(har.read_text()), httpx.get(f"{deployment.url}/openapi.json").json())
+    undocumented = {(op, status) for op, statuses in seen.items() for status, listed in statuses.items()
+                    if not listed}
+    assert not undocumented, undocumented
+    assert seen[("POST", "/api/v1/device/token")].keys() >= {"400"}, seen[("POST", "/api/v1/device/token")]
+    assert sum(len(statuses) for statuses in seen.values()) > 40, seen
     generated, passed = map(int, re.search(r"(\d+) generated, (\d+) passed", everything.stdout).groups())
     assert generated == passed > 300  # 23 operations, each in several phases
     revoke = schemathesis(deployment.url, revoking, "--include-path", "/api/v1/me/credential",
                           output=report / "revoke.txt", cwd=deployment.workdir)
     assert revoke.returncode == 0, revoke.stdout[-6000:] + revoke.stderr[-2000:]
+
+
+def answered_statuses(har: dict, document: dict) -> dict[tuple[str, str], dict[str, bool]]:
+    """For each documented operation the fuzzer called: each status it got, and whether the document lists it."""
+    templates = [(re.compile("^" + re.sub(r"\\{[^/]+?\\}", "[^/]+", re.escape(path)) + "$"), path)
+                 for path in document["paths"]]
+    seen: dict[tuple[str, str], dict[str, bool]] = {}
+    for entry in har["log"]["entries"]:
+        method, path = entry["request"]["method"], urlsplit(entry["request"]["url"]).path
+        path_template = next((template for pattern, template in templates if pattern.match(path)), None)
+        operation = document["paths"].get(path_template, {}).get(method.lower())
+        if operation is None:  # a method the path does not have: the 405s are checked below
+            continue
+        status = str(entry["response"]["status"])
+        seen.setdefault((method, path_template), {})[status] = (
+            status in operation["responses"] or "default" in operation["responses"])
+    return seen
 
 
 # what the fuzzer cannot see by itself -----------------------------------------------------------------------------

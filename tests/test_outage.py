@@ -46,7 +46,8 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     deployment.start_coordinator()
     # a second coordinator, elsewhere, on the same database (started before the workers: it starts faster)
     deployment.start("coordinator-second", "-m", "app.cli", "coordinator", "--run", deployment.slug,
-                     env={"DEDLOC_DATA_DIR": str(deployment.workdir / "second"), "DATABASE_URL": deployment.database_url})
+                     env={"DEDLOC_DATA_DIR": str(deployment.workdir / "second"),
+                          "DATABASE_URL": deployment.database_url})
     second_log = deployment.logs / "coordinator-second.log"
     deployment.wait_for_coordinator()
     wait_for(lambda: "listening at" in second_log.read_text(), 60, "the second coordinator")
@@ -63,7 +64,8 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     deployment.reap("coordinator")
     assert deployment.stop("coordinator-second", grace=30) == 0
     down_at = max(epoch for _, epoch in claims_in_database(deployment))
-    wait_for(lambda: all(local_epoch((deployment.logs / f"{name}.log").read_text()) >= down_at + 3 for name in trainers),
+    wait_for(lambda: all(local_epoch((deployment.logs / f"{name}.log").read_text()) >= down_at + 3
+                         for name in trainers),
              60, "the workers to train on: a few epochs nobody records")
     deployment.set_state("paused")
     time.sleep(TTL + 4)  # paused: nothing closes an epoch; a record not kept alive would be gone by now

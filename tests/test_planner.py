@@ -298,8 +298,9 @@ def test_bench_writes_one_profile_as_json(tmp_path, capsys):
 def test_a_live_plan_gives_every_sender_parts_of_the_others_and_little_more(vector_bytes):
     """The coordinator's floor: enough of the vector that each sender aggregates whole parts (so it sees, and can
     attest, the others' weights), and on a large model so little that the plan stays near the bound."""
-    from app.coordinator.planning import ATTESTATION_PARTS, attestation_floor
     from dedloc_common.contract import GRADIENT_PART_BYTES as PART_BYTES
+
+    from app.coordinator.planning import ATTESTATION_PARTS, attestation_floor
 
     peers = [peer("fast", 100)] + [peer(f"slow{i}", 12.5) for i in range(3)]
     plan = plan_averaging(peers, vector_bytes, min_share=attestation_floor(peers, vector_bytes))

@@ -5,17 +5,34 @@ from __future__ import annotations
 import math
 
 import pytest
+from dedloc_common.contract import (
+    GRADIENT_PART_BYTES,
+    LinkReport,
+    OptimizerOptions,
+    PlanRecord,
+    RunConfig,
+    plan_payload,
+)
+from dedloc_worker.averaging.planning import group_bits_for
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
-
 from sqlalchemy import select
 
-from app.coordinator.planning import (CPU_REDUCE_BPS, ROUND_FRESH_S, ROUND_MIN_BYTES, LinkSeen, PlanKeeper, group_bits,
-                                      link_figures, profiles_of, step_options)
+from app.coordinator.planning import (
+    CPU_REDUCE_BPS,
+    GPU_REDUCE_COST,
+    ROUND_FRESH_S,
+    ROUND_MIN_BYTES,
+    LinkSeen,
+    PlanKeeper,
+    group_bits,
+    link_figures,
+    profiles_of,
+    step_options,
+)
 from app.core.config import Settings
 from app.models import AveragingPlan
-from app.runs import registry
 from app.planner import (
     PeerProfile,
     PlanningError,
@@ -29,9 +46,8 @@ from app.planner import (
     plan_step,
     round_seconds,
 )
+from app.runs import registry
 from bench import simulate_groups
-from dedloc_common.contract import LinkReport, OptimizerOptions, PlanRecord, RunConfig, plan_payload
-from dedloc_worker.planning import group_bits_for
 
 MBIT = 1e6 / 8
 V = 10e6
@@ -148,6 +164,41 @@ def test_overlapped_step_moves_aggregation_off_the_cpu_peer_that_trains():
     assert blocking.step_seconds == pytest.approx(20.0 + blocking.predicted_seconds)
 
 
+def gpu_pair(slow: float, fast: float, link_bps: float = 1e9 / 8) -> list[LinkSeen]:
+    """Two GPU peers as the coordinator sees them: equal measured links, training at ``slow`` and ``fast``
+    samples/s."""
+    link = LinkReport(upload_bps=link_bps, download_bps=link_bps, measured_at=NOW - 60, vector_bytes=int(V))
+    return [LinkSeen(f"k-{name}", f"peer-{name}", name, link, "cuda: H100 (float16 mixed precision)", rate)
+            for name, rate in (("slow", slow), ("fast", fast))]
+
+
+def test_with_equal_links_the_gpu_peer_that_computes_less_aggregates_more():
+    """The paper's step: max(accumulating the batch, the round), with aggregating taking the host time a GPU peer's
+    training needs too. Two GPU peers on equal 1 Gbit/s links, delayed updates, compute-bound (4,096 samples take
+    3.7 s, a round under 0.2 s): at equal compute they split the vector evenly; at 10x different compute the
+    faster one keeps only the floor share, as what it loses aggregating is worth ten times more samples."""
+    options = StepOptions(4096, overlap=True)
+    floor = lambda peers: 0.05  # noqa: E731
+    even = plan_step(profiles_of(gpu_pair(550.0, 550.0), NOW), V, options, min_share=floor)
+    assert even.shares == pytest.approx({"peer-slow": 0.5, "peer-fast": 0.5}, abs=1e-6)
+    assert even.roles == {"peer-slow": "compute+aggregate", "peer-fast": "compute+aggregate"}
+    uneven = plan_step(profiles_of(gpu_pair(100.0, 1000.0), NOW), V, options, min_share=floor)
+    assert uneven.shares == pytest.approx({"peer-slow": 0.95, "peer-fast": 0.05}, abs=1e-6)
+    assert uneven.roles == {"peer-slow": "compute+aggregate", "peer-fast": "compute"}
+    # the plan's step is the accumulation plus the samples its floor share costs the fast peer, and less than the
+    # even split would cost the same peers
+    assert uneven.step_seconds < plan_cost(profiles_of(gpu_pair(100.0, 1000.0), NOW), even, V, options)
+    # blocking: training waits for the round, so compute decides nothing and the even split stays
+    blocking = plan_step(profiles_of(gpu_pair(100.0, 1000.0), NOW), V, StepOptions(4096), min_share=floor)
+    assert blocking.shares == pytest.approx(even.shares, abs=1e-6)
+
+
+def test_a_peer_losing_part_of_its_training_to_aggregating_is_a_fraction():
+    with pytest.raises(PlanningError, match="reduce_costs_training"):
+        peer("a", 100, reduce_costs_training=1.5)
+    assert peer("cpu", 100, reduce_costs_training=True).reduce_costs_training == 1.0  # the old flag still reads
+
+
 def test_a_slow_reducer_bounds_the_round_like_a_slow_link():
     """Without its 1 MB/s reducer the 10 Gbit/s peer would aggregate everything (0.8 s). With it, its share s meets
     the others' links: 2 s V / 1 MB/s = (1 + (1 - s) / 2) V / 12.5 MB/s, so s = 1.2 / 20.4."""
@@ -234,8 +285,11 @@ def test_profiles_carry_measured_compute_and_what_aggregating_costs_a_cpu_peer()
             LinkSeen("k2", "peer-gpu", "bob", link, "cuda: A100", 900.0),
             LinkSeen("k3", "peer-aux", "carol", LinkReport(upload_bps=1e6, download_bps=1e6, aux=True), "cpu: 2", 5.0)]
     cpu, gpu, aux = profiles_of(seen)
-    assert (cpu.samples_per_second, cpu.reduce_costs_training, cpu.reduce_bps) == (120.0, True, CPU_REDUCE_BPS)
-    assert (gpu.samples_per_second, gpu.reduce_costs_training, gpu.reduce_bps) == (900.0, False, math.inf)
+    assert (cpu.samples_per_second, cpu.reduce_costs_training, cpu.reduce_bps) == (120.0, 1.0, CPU_REDUCE_BPS)
+    # hivemind reduces on the host CPU, GPU peer or not; the GPU loses part of that time's training
+    assert (gpu.samples_per_second, gpu.reduce_costs_training, gpu.reduce_bps) == (900.0, GPU_REDUCE_COST,
+                                                                                   CPU_REDUCE_BPS)
+    assert profiles_of([LinkSeen("k4", "peer-old", "dan", link, "", 50.0)])[0].reduce_bps == math.inf
     assert aux.samples_per_second == 0.0  # an auxiliary peer trains nothing, whatever its record says
 
 
@@ -319,6 +373,29 @@ def test_the_published_plan_records_the_figures_it_planned_with(sessions, tmp_pa
     assert [entries["carol"][key] for key in ("upload_bps", "download_bps", "bandwidth_from", "reachability")] == [
         10 * MBIT, 20 * MBIT, "portal", "unreachable"]
     assert entries["carol"]["role"] == "client"
+
+
+def test_the_coordinators_published_plan_follows_the_peers_compute(sessions, tmp_path):
+    """The coordinator's own path, on a real database: the plan it signs, stores and publishes for two GPU peers on
+    equal links gives the one that trains 10x faster only the attestation floor (its stored step role "compute"),
+    and the slower the rest; at equal compute the two split evenly. (No swarm test runs peers of unequal compute:
+    every worker of the suite trains on the same two cores.)"""
+    settings = Settings(database_url="sqlite://", data_dir=tmp_path)
+    config = RunConfig(slug="gpus", run_id="gpus", task="tiny-lm", target_batch_size=4096, batch_size=16)
+    stored = {}
+    with sessions() as session:
+        run = registry.create_run(session, slug="gpus", title="GPUs", target_batch_size=4096)
+        for name, rates in (("even", (550.0, 550.0)), ("uneven", (100.0, 1000.0))):
+            keeper = PlanKeeper(settings, clock=lambda: 0.0, config=config, wall_clock=lambda: NOW)
+            record = keeper.update(session, run, gpu_pair(*rates))
+            session.commit()
+            row = session.scalars(select(AveragingPlan).where(AveragingPlan.id == keeper.row_id)).one()
+            stored[name] = (record.shares, {entry["username"]: entry["step_role"] for entry in row.peers})
+    floor = 2 * GRADIENT_PART_BYTES / V  # the attestation floor: two parts' worth each
+    assert stored["even"][0] == pytest.approx({"peer-slow": 0.5, "peer-fast": 0.5}, abs=1e-6)
+    assert stored["even"][1] == {"slow": "compute+aggregate", "fast": "compute+aggregate"}
+    assert stored["uneven"][0] == pytest.approx({"peer-slow": 1 - floor, "peer-fast": floor}, abs=1e-6)
+    assert stored["uneven"][1] == {"slow": "compute+aggregate", "fast": "compute"}
 
 
 def test_the_groups_bench_confines_a_failure_to_its_group():

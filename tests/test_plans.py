@@ -12,13 +12,13 @@ from dedloc_common.contract import LINK_PROBE_MAX_BYTES
 from fastapi.testclient import TestClient
 from starlette.requests import Request
 
-from app.runs import plans, registry
-from app.runs.fingerprints import fingerprint
-from app.identity.accounts import issue_credential, sign_in_locally
-from app.identity.models import User
 from app.core.config import Settings
 from app.core.errors import TooLarge
+from app.identity.accounts import issue_credential, sign_in_locally
+from app.identity.models import User
 from app.models import AveragingPlan
+from app.runs import plans, registry
+from app.runs.fingerprints import fingerprint
 from app.web.link_probe import count_body
 from app.web.main import create_app
 from tests.support.factories import ALICE_KEY
@@ -76,7 +76,8 @@ def bearer(sessions):
 
 def test_the_current_plan_is_the_newest_row(sessions):
     with sessions() as session:
-        demo, quiet = registry.create_run(session, slug="demo", title="Demo"), registry.create_run(session, slug="q", title="Q")
+        demo = registry.create_run(session, slug="demo", title="Demo")
+        quiet = registry.create_run(session, slug="q", title="Q")
         session.add_all([plan_row(demo, 1.25, PLANNED_AT), plan_row(demo, 9.0, PLANNED_AT - timedelta(minutes=5))])
         session.commit()
         assert plans.current_plan(session, demo).predicted_seconds == 1.25

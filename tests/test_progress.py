@@ -60,3 +60,17 @@ def test_a_run_without_a_target_has_no_eta(sessions):
         session.commit()
         progress = run_progress(session, run)
     assert progress.target_epochs is None and progress.eta_seconds is None and progress.fraction_done is None
+
+
+def test_the_progress_and_the_dashboard_name_the_training_algorithm(sessions, database_url, tmp_path):
+    with sessions() as session:
+        registry.create_run(session, slug="dil", title="DiLoCo", target_batch_size=256, batch_size=16,
+                            optimizer={"algorithm": "local-updates"})
+        registry.create_run(session, slug="big", title="Large", target_batch_size=256, batch_size=16)
+    with TestClient(create_app(Settings(database_url=database_url, data_dir=tmp_path))) as client:
+        local = client.get("/api/v1/runs/dil/progress").json()
+        assert (local["algorithm"], local["outer_batch_size"]) == ("local-updates", 32 * 256)
+        assert "an outer round every 8,192 samples" in " ".join(client.get("/runs/dil").text.split())
+        large = client.get("/api/v1/runs/big/progress").json()
+        assert (large["algorithm"], large["outer_batch_size"]) == ("large-batch", None)
+        assert "one optimizer step every 256 samples" in " ".join(client.get("/runs/big").text.split())

@@ -85,7 +85,7 @@ def test_only_the_callers_own_address_is_dialed(libp2p_peer):
 
 
 def test_a_worker_asks_the_portal_which_dials_it_back(start_portal, libp2p_peer):
-    from dedloc_worker.portal import check_reachability
+    from dedloc_worker.portal.client import check_reachability
 
     portal = start_portal()
     with portal.db() as session:

@@ -11,9 +11,8 @@ import sys
 import time
 
 import pytest
+from dedloc_worker.session import CREDENTIAL_ENV
 from sqlalchemy import select
-
-from dedloc_worker.join import CREDENTIAL_ENV
 
 from app.core.database import make_engine, make_sessionmaker
 from app.core.processes import spawn

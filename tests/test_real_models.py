@@ -13,9 +13,9 @@ from pathlib import Path
 import httpx
 import pytest
 import torch
+from dedloc_common.contract import LOOPBACK_OPTIMIZER
 
 from app.cli.demo import DEMO_MODEL, write_corpus
-from dedloc_common.contract import LOOPBACK_OPTIMIZER
 from tests.support.harness import Deployment, wait_for
 
 pytestmark = pytest.mark.swarm
@@ -72,9 +72,8 @@ def mean_losses(report: dict) -> list[float]:
 
 
 def test_a_swarm_trains_albert_and_a_checkpoint_loads_with_from_pretrained(run, tmp_path):
-    from transformers import AutoModelForMaskedLM
-
     from dedloc_worker.tasks.hf import MaskedLM
+    from transformers import AutoModelForMaskedLM
 
     run.start_worker("alice")
     run.wait_for_founder("alice", timeout=180)

@@ -9,7 +9,7 @@ import gc
 import time
 
 import pytest
-from dedloc_worker.swarm import create_dht, reach_peers, rejoin
+from dedloc_worker.swarm.node import create_dht, reach_peers, rejoin
 
 pytestmark = [
     pytest.mark.swarm,

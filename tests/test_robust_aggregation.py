@@ -1,6 +1,9 @@
-"""Poisoning in a real swarm of four (three honest peers, one attacker), each a separate process averaging with
-dedloc's ``PlannedAverager`` over hivemind's real DHT: with robust aggregation on, the honest peers' model ends
-near where an all-honest run ends; with it off, the x1000 attacker derails it; the aggregators name the attacker.
+"""Poisoning in a real swarm of four (three honest peers, one attacker), each a separate process training with the
+worker's own optimizer (``swarm.create_optimizer``: hivemind's Optimizer, dedloc's gradient and state averagers,
+the run's default aggregation, tau, iterations and state-averaging period): for every attack, on gradients or on
+the parameters of state rounds, the honest peers' model ends near where an all-honest run ends with robust
+aggregation on, and past that bound with the plain mean (the control that the attack harms); the aggregators name
+the attacker.
 
 The four processes start once and run every scenario in turn, each from the same zero parameters
 (tests/support/actors/poisoner.py; the schedule is the JSON file below).
@@ -17,6 +20,7 @@ import time
 import uuid
 
 import pytest
+from dedloc_common.contract import STATE_EVERY
 
 from app.core.processes import spawn, stop_all
 from tests.support.actors import POISONER
@@ -24,27 +28,37 @@ from tests.support.harness import TAG, tagged_processes, wait_for
 
 pytestmark = pytest.mark.swarm
 
-BATCH, COMPUTE_SECONDS = 32, 0.3
-ATTACKS = ("x1000", "flip", "nan", "weight")
+BATCH, COMPUTE_SECONDS, BATCHES_PER_EPOCH = 32, 0.3, 3
+EPOCHS = STATE_EVERY // 2  # every other scenario of an optimizer holds one state round, at its last epoch
+GRADIENT_ATTACKS = ("x1000", "flip", "nan", "weight")
+STATE_ATTACKS = ("state-x1000", "state-nan")
+# Per optimizer, the k-th scenario runs its epochs [k * EPOCHS, (k + 1) * EPOCHS): odd k end on a state round. The
+# first lets matchmaking settle (a peer's first rounds formed in twos). Each slot runs a scenario on both optimizers.
+ORDER = ("warm-up", "state-x1000", "honest", "state-nan", "flip", "x1000", "weight", "nan")
+
+
+def slots() -> list:
+    return [[{"name": name + suffix, "attack": None if name in ("honest", "warm-up") else name,
+              "aggregation": aggregation, "until": (k + 1) * EPOCHS}
+             for aggregation, suffix in (("centered_clip", ""), ("mean", "-mean"))]
+            for k, name in enumerate(ORDER)]
+
+
 SCHEDULE = {
-    "seed": 13, "dim": 16, "batch": BATCH, "lr": 0.3, "epochs": 8, "compute_seconds": COMPUTE_SECONDS,
-    # A sender's weight is capped at ceiling * (elapsed + grace), elapsed being the aggregator's time between rounds:
-    # on two busy cores that runs from under 0.1 s (a sender can end its previous round after the aggregator) to
-    # seconds (matchmaking under load). With the ceiling at the honest compute rate (a batch per compute time), the
-    # weight attacker outweighed the three honest peers together once a round's overhead passed about 0.6 s (a loaded
-    # full-suite run). Here the grace dominates: an honest weight is never capped (the cap is 34 samples at zero
-    # elapsed), and the attacker's stays under the three honest ones' until a round takes about 3 s.
-    "ceiling": BATCH / 1.5, "grace": 1.6, "tau": 0.5, "iterations": 20, "attacker": 3,
-    "round_timeout": 20.0,
-    "scenarios": [{"name": "honest", "attack": None, "aggregation": "centered_clip"},
-                  {"name": "honest-mean", "attack": None, "aggregation": "mean"},
-                  *({"name": attack, "attack": attack, "aggregation": "centered_clip"} for attack in ATTACKS),
-                  {"name": "x1000-mean", "attack": "x1000", "aggregation": "mean"}],
+    "seed": 13, "dim": 16, "batch": BATCH, "lr": 0.3, "compute_seconds": COMPUTE_SECONDS,
+    "batches_per_epoch": BATCHES_PER_EPOCH, "attacker": 3, "scenario_timeout": 60.0, "matchmaking_time": 1.0,
+    # The organizer's ceiling: the rate a peer sustains, 2/3 of what it computes (a batch per compute time; it waits
+    # for rounds the rest). An honest weight (a batch per 0.3 s of its epoch) stays under the cap, which adds one
+    # matchmaking time; the attacker's 100x is capped at about 1.7x an honest one (3 batches in a 1.8 s epoch).
+    "ceiling": BATCH / COMPUTE_SECONDS * 2 / 3,
+    "slots": slots(),
 }
-# The loss at the start (zero parameters) is |truth|^2, about 16 here, and an all-honest run ends near 0.01. A
-# bounded attacker still biases each round by up to tau * its weight share (tau/(n-1) at equal weights), so the
-# honest end loss may rise by at most 5% of the starting loss (docs/averaging.md#robust-aggregation, measured).
-MARGIN_OF_START = 0.05
+# The loss at the start (zero parameters) is |truth|^2, about 16 here; five Adam steps (lr 0.3) bring an all-honest
+# run to about 1.3. A bounded attacker still biases each round by up to tau times its weight share, and late in
+# training Adam turns a small bias into a full step: the honest end loss may rise by at most 10% of the starting
+# loss (docs/averaging.md#robust-aggregation, measured); the plain mean must end past that same bound under every
+# attack.
+START, MARGIN_OF_START = 16.0, 0.1
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +81,7 @@ def swarm(tmp_path_factory):
         time.sleep(0.2)  # written, then closed
         for index in range(1, 4):
             start(index, *json.loads(address.read_text()))
-        deadline = time.monotonic() + 150
+        deadline = time.monotonic() + 240
         for proc in procs:
             proc.wait(max(deadline - time.monotonic(), 1))
         logs = "\n".join((folder / f"{i}.log").read_text()[-2000:] for i in range(4))
@@ -89,56 +103,64 @@ def scenario(results, index: int, name: str) -> dict:
     return next(s for s in results[index]["scenarios"] if s["name"] == name)
 
 
-def honest_losses(results, name: str) -> list[float]:
+def honest_losses(results, name: str) -> list:
     return [scenario(results, i, name)["loss"] for i in range(3)]
 
 
-def test_the_swarm_averaged_rounds_with_all_four(swarm):
-    """A control: rounds formed, so the attacker's parts did reach the aggregators' reducers."""
-    for name in (planned["name"] for planned in SCHEDULE["scenarios"]):
-        assert all(scenario(swarm, i, name)["complete"] >= SCHEDULE["epochs"] // 2 for i in range(4)), name
+def bound(results) -> float:
+    """The most an honest peer's loss may end at under attack with robust aggregation; the plain mean ends past it."""
+    return max(honest_losses(results, "honest")) + MARGIN_OF_START * START
+
+
+def test_every_scenario_ran_its_epochs_on_every_peer(swarm):
+    """A control: each scenario trained as planned (its state round included) on all four peers. That the
+    attacker's parts reached the reducers shows in the attestations (robust) and the harm (plain mean) below."""
+    for planned in (scenario for slot in SCHEDULE["slots"] for scenario in slot):
+        for i in range(4):
+            ran = scenario(swarm, i, planned["name"])
+            assert ran["start"] == planned["until"] - EPOCHS and ran["end"] == planned["until"], \
+                (planned["name"], i, ran["start"], ran["end"])
 
 
 def test_all_honest_the_model_learns_and_the_defence_costs_little(swarm):
-    start = 16.0  # |truth|^2 for seed 13 is close to the dimension
     losses = honest_losses(swarm, "honest")
-    assert all(loss is not None and loss < 0.01 * start for loss in losses), losses
+    assert all(loss is not None and loss < 0.15 * START for loss in losses), losses
     plain = max(honest_losses(swarm, "honest-mean"))
-    assert all(loss <= plain + MARGIN_OF_START * start for loss in honest_losses(swarm, "honest"))
+    assert all(loss <= plain + MARGIN_OF_START * START for loss in losses), (losses, plain)
 
 
-@pytest.mark.parametrize("attack", ATTACKS)
+@pytest.mark.parametrize("attack", GRADIENT_ATTACKS + STATE_ATTACKS)
 def test_with_robust_aggregation_the_honest_model_stays_near_the_honest_run(swarm, attack):
-    baseline = max(honest_losses(swarm, "honest"))
-    margin = MARGIN_OF_START * 16.0
     losses = honest_losses(swarm, attack)
-    assert all(loss is not None and loss <= baseline + margin for loss in losses), (attack, losses, baseline)
+    assert all(loss is not None and loss <= bound(swarm) for loss in losses), (attack, losses, bound(swarm))
 
 
-def test_without_it_the_x1000_attacker_derails_training(swarm):
-    baseline = max(honest_losses(swarm, "honest"))
-    losses = honest_losses(swarm, "x1000-mean")
-    assert all(loss is None or not math.isfinite(loss) or loss > 100 * max(baseline, 0.01) for loss in losses), losses
+@pytest.mark.parametrize("attack", GRADIENT_ATTACKS + STATE_ATTACKS)
+def test_with_the_plain_mean_the_same_attack_ends_past_that_bound(swarm, attack):
+    """The control for each attack: the same rounds with hivemind's weighted mean are harmed."""
+    losses = honest_losses(swarm, f"{attack}-mean")
+    assert all(loss is None or not math.isfinite(loss) or loss > bound(swarm) for loss in losses), \
+        (attack, losses, bound(swarm))
 
 
-@pytest.mark.parametrize("attack", ATTACKS)
+@pytest.mark.parametrize("attack", GRADIENT_ATTACKS)
 def test_the_aggregators_name_the_attacker(swarm, attack):
+    """hivemind gives the 16 values to one aggregator per round (never the attacker, which announces no bandwidth):
+    the honest ones together name the attacker in most rounds, for what it did."""
     attacker = swarm[SCHEDULE["attacker"]]["peer_id"]
-    named = {}  # aggregator index -> rounds in which it named the attacker
-    for index in range(4):
-        rounds = scenario(swarm, index, attack)["attested"]
-        named[index] = [notes[attacker] for notes in rounds if attacker in notes]
-    assert all(named[index] for index in range(3)), named  # every honest aggregator saw it and said so
-    notes = [note for per_aggregator in named.values() for note in per_aggregator]
+    rounds = [scenario(swarm, index, attack)["attested"] for index in range(3)]
+    named = [[notes[attacker] for notes in per_round if attacker in notes] for per_round in zip(*rounds)]
+    assert sum(bool(notes) for notes in named) >= EPOCHS // 2 + 1, named
+    notes = [note for per_round in named for note in per_round]
     if attack == "nan":
         assert all(note["dropped"] >= 1 for note in notes)
     elif attack == "weight":
-        assert all(note["used"] < note["weight"] / 10 for note in notes)  # 100x capped to about 1x
+        assert all(note["used"] < note["weight"] / 10 for note in notes)  # 100x capped to about 1.7x
     else:
         assert any(note["clipped"] >= 1 and note["kept"] < 1.0 for note in notes)
     honest_ids = {swarm[i]["peer_id"] for i in range(3)}
-    for index in range(4):  # the honest senders are rarely cut, and never dropped or capped
+    for index in range(4):  # the honest senders are never dropped
         for notes in scenario(swarm, index, attack)["attested"]:
             for peer, note in notes.items():
                 if peer in honest_ids:
-                    assert note["dropped"] == 0 and note["used"] == note["weight"], (peer, note)
+                    assert note["dropped"] == 0, (peer, note)

@@ -102,6 +102,9 @@ def test_a_bad_task_option_is_named_the_form_kept_and_nothing_stored(app, sessio
     ({"optimizer": '{"delay_optimizer_step": false, "delay_grad_averaging": true}'},
      "delay_grad_averaging needs delay_optimizer_step"),
     ({"checkpoints": '{"keep": 0}'}, "checkpoints.keep"),
+    ({"optimizer": '{"algorithm": "gossip"}'}, "optimizer.algorithm: Input should be 'large-batch' or 'local-updates'"),
+    ({"optimizer": '{"algorithm": "local-updates", "outer_batch_size": 0}'}, "optimizer.outer_batch_size"),
+    ({"optimizer": '{"algorithm": "local-updates", "outer_lr": -0.7}'}, "optimizer.outer_lr"),
     ({"slug": "new"}, "slug 'new' is the name of a portal page"),
     ({"task": "evil:Plugin"}, "task: use one of"),
     ({"title": "x" * 201}, "title must be 1 to 200 characters"),
@@ -163,7 +166,8 @@ def test_settings_change_only_when_every_value_is_good(app, sessions):
     assert changed.status_code == 303
     with sessions() as session:
         run = registry.get_run(session, "demo")
-        assert (run.title, run.target_epochs, run.optimizer["name"], run.optimizer["lr"]) == ("Renamed", 12, "lamb", 0.01)
+        changed = (run.title, run.target_epochs, run.optimizer["name"], run.optimizer["lr"])
+        assert changed == ("Renamed", 12, "lamb", 0.01)
         assert (run.checkpoints["every_epochs"], run.checkpoints["keep"]) == (2, 3)  # defaults filled in
     refused = post_organize(olivia, "settings", title="Other", target_epochs="", optimizer='{"lr": -1}',
                             checkpoints="{}")

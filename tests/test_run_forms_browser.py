@@ -59,17 +59,17 @@ def test_the_dashboard_lists_checkpoints_and_charts_their_evaluation_loss(start_
         for epoch, loss in ((5, 6.25), (10, 5.5)):
             archive = tar_of("config.json", b'{"model_type": "albert"}')
             (folder / f"epoch-{epoch}.tar").write_bytes(archive)
-            checkpoints.record(session, run, epoch=epoch, samples=epoch * 256, eval_loss=loss,
-                               sha256=hashlib.sha256(archive).hexdigest(), size=len(archive),
-                               file_name=f"epoch-{epoch}.tar")
+            checkpoints.store_archive(session, tmp_path, run, epoch=epoch, samples=epoch * 256, eval_loss=loss,
+                                      sha256=hashlib.sha256(archive).hexdigest(), size=len(archive),
+                                      file_name=f"epoch-{epoch}.tar", final=False, keep=5)
         session.commit()
 
     page.goto(f"{portal.url}/runs/saved")
     table = page.locator("table#checkpoints").inner_text()
     assert "10" in table and "5.5000" in table and "6.2500" in table and "2,560" in table
     page.wait_for_function("Chart.getChart('chart-eval').data.datasets[0].data.length === 2")
-    assert page.evaluate("Chart.getChart('chart-eval').data.datasets[0].data") == [6.25, 5.5]  # oldest first
-    assert page.evaluate("Chart.getChart('chart-eval').data.labels") == ["epoch 5", "epoch 10"]
+    assert page.evaluate("Chart.getChart('chart-eval').data.datasets[0].data") == [  # oldest first
+        {"x": 5, "y": 6.25}, {"x": 10, "y": 5.5}]
     page.screenshot(path=str(output_dir / "dashboard-checkpoints.png"), full_page=True)
     link = page.locator("table#checkpoints a").first.get_attribute("href")
     download = page.request.get(link)

@@ -8,20 +8,32 @@ import contextlib
 import json
 import math
 import random
+import threading
 
 import pytest
+from dedloc_common.contract import CheckpointOptions, RunConfig, decode_sketch, encode_sketch
+from dedloc_worker.tasks.tiny_lm import TinyLanguageModel
+from dedloc_worker.training import loop as trainer
+from dedloc_worker.training.spot_checks import SKETCH_DIMS, recompute
 from fastapi.testclient import TestClient
 from sqlalchemy import select
 
-from dedloc_common.contract import RunConfig, decode_sketch, encode_sketch
-from dedloc_worker import trainer
-from dedloc_worker.spot_checks import SKETCH_DIMS, recompute
-from dedloc_worker.tasks.tiny_lm import TinyLanguageModel
-
+from app.coordinator.spot_checker import SpotChecker, enforce_check
 from app.core.config import Settings
 from app.core.database import make_engine, make_sessionmaker
 from app.credit.settlement import credit_epochs
-from app.credit.spot_checks import MIN_COSINE, Verdict, judge, loss_step, record_check, summary
+from app.credit.spot_checks import (
+    MIN_COSINE,
+    NO_SKETCH,
+    NOTHING_CLAIMED,
+    PARTIAL,
+    Verdict,
+    judge,
+    loss_step,
+    record_check,
+    summary,
+    unusable,
+)
 from app.models import Contribution, SpotCheck
 from app.runs import registry
 from app.web.main import create_app
@@ -104,10 +116,11 @@ def test_the_checker_recomputes_the_sketch_the_trainer_published(clip):
 def test_the_demos_masked_lm_redraws_its_data_and_masks_and_keeps_its_evaluation(tmp_path):
     """The demo's task (an ALBERT masked LM on the run's files): an epoch's batches and masks come from the seed, so
     the checker's recomputation matches the worker's sketch; the evaluation loss stays what it was."""
-    from app.cli.demo import DEMO_TASK, write_corpus
-    from app.runs import files as run_files
     from dedloc_common.tasks import validate_task
     from dedloc_worker.tasks.hf import MaskedLM
+
+    from app.cli.demo import DEMO_TASK, write_corpus
+    from app.runs import files as run_files
 
     train, held_out = write_corpus(tmp_path / "corpus")
     for path in (train, held_out):  # a few hundred paragraphs are data enough, and quick to tokenize
@@ -165,12 +178,16 @@ def test_a_failed_check_holds_every_claim_of_that_peer_with_the_evidence(session
         assert totals(session, run) == {"mallory": (300, 0), "carol": (240, 0)}
         passed = Verdict(True, 0.99, 1.0, "fine")
         failed = judge(sketch([-1.0] * SKETCH_DIMS), sketch([1.0] * SKETCH_DIMS), 4.0, 4.0)
-        assert record_check(session, run, peer_key=carol.key, username="carol", epoch=2, mini_steps=5,
-                            verdict=passed, claimed_loss=4.0, recomputed_loss=4.0)
-        assert record_check(session, run, peer_key=mallory.key, username="mallory", epoch=2, mini_steps=5,
-                            verdict=failed, claimed_loss=4.0, recomputed_loss=4.0)
-        assert not record_check(session, run, peer_key=mallory.key, username="mallory", epoch=2, mini_steps=5,
-                                verdict=passed, claimed_loss=4.0, recomputed_loss=4.0)  # once per claim
+        assert enforce_check(session, run, record_check(session, run, peer_key=carol.key, username="carol", epoch=2,
+                                                        mini_steps=5, verdict=passed, claimed_loss=4.0,
+                                                        recomputed_loss=4.0))
+        assert enforce_check(session, run, record_check(session, run, peer_key=mallory.key, username="mallory",
+                                                        epoch=2, mini_steps=5, verdict=failed, claimed_loss=4.0,
+                                                        recomputed_loss=4.0))
+        assert totals(session, run) == {"mallory": (0, 300), "carol": (240, 0)}  # held when the check is kept
+        assert not enforce_check(session, run, record_check(
+            session, run, peer_key=mallory.key, username="mallory", epoch=2, mini_steps=5, verdict=passed,
+            claimed_loss=4.0, recomputed_loss=4.0))  # once per claim
         credit_epochs(session, run, round_(4))
         assert totals(session, run) == {"mallory": (0, 400), "carol": (320, 0)}
         reasons = {r for (r,) in session.execute(select(Contribution.reason).where(Contribution.held > 0))}
@@ -179,6 +196,128 @@ def test_a_failed_check_holds_every_claim_of_that_peer_with_the_evidence(session
                            "loss claimed 4.000, recomputed 4.000"}
         found = summary(session, run)
         assert (found.checked, found.passed, [f.username for f in found.failures]) == (2, 1, ["mallory"])
+
+
+def test_a_claim_is_unusable_without_a_sketch_or_with_samples_that_are_not_whole_mini_batches():
+    assert unusable("s", 64, 4, 16) is None
+    assert unusable("", 64, 4, 16) == NO_SKETCH
+    assert unusable("s", 60, 4, 16) == PARTIAL  # it reloaded the swarm's state mid-epoch
+    assert unusable("s", 64, 0, 16) == PARTIAL
+    assert unusable("", 0, 0, 16) == NOTHING_CLAIMED  # nothing to credit, nothing to hold
+
+
+class ServedStates:
+    """Stands in for the checkpointer where the spot checker downloads a peer's state (hivemind's averager): every
+    peer serves ``params`` at ``epoch``. The checker, its model, its recomputation and the database are real."""
+
+    def __init__(self, run, data_dir, params, epoch: int, rate: float = 1.0):
+        self.config, self.options = registry.run_config(run), CheckpointOptions(spot_check_rate=rate)
+        self.data_dir, self.params, self.epoch = data_dir, params, epoch
+        self.lock, self.failure = threading.Lock(), None
+
+    def built(self) -> bool:
+        return True
+
+    def download_from(self, peer_id: str):
+        return self.epoch, [p.detach().clone() for p in self.params]
+
+
+def round_of(epoch: int, claims: dict) -> list:
+    """Each peer's claim (``claims``: Peer -> its claim) in one round where every peer saw every other's samples."""
+    members = sorted(p.peer_id for p in claims)
+    return [p.record(c.copy(update={"group": f"r{epoch}", "members": members, "aggregated": {f"r{epoch}": {
+        o.peer_id: float(oc.samples) for o, oc in claims.items() if o is not p}}})) for p, c in claims.items()]
+
+
+def test_a_picked_claim_without_a_usable_sketch_holds_the_account_with_a_reason_that_accuses_nobody(
+        sessions, database_url, tmp_path):
+    """The coordinator's checker draws every peer at epoch 3 (rate 1): carol's claim, with the sketch her trainer
+    published, is recomputed and passes (the control); dave's carries no sketch and erin's samples are not whole
+    mini-batches: neither is skipped unseen, each is recorded and holds that account's claims with a reason that
+    says what happened and what to do; the organize page counts them."""
+    with sessions() as session:
+        run = aged_run(session, "undecided", task_options=TINY, batch_size=8)
+        carol, dave, erin = (Peer(session, run, name, tmp_path, i) for i, name in enumerate(("carol", "dave", "erin")))
+        config = registry.run_config(run)
+        worker = TinyLanguageModel(TINY, config.seed)
+        served = [p.detach().clone() for p in worker.model.parameters()]
+        credit_epochs(session, run, round_of(2, {p: claim(2, 16) for p in (carol, dave, erin)}))
+        assert totals(session, run) == {"carol": (16, 0), "dave": (16, 0), "erin": (16, 0)}
+
+        checker = SpotChecker(ServedStates(run, tmp_path, served, epoch=3), sessions, rng=random.Random(0))
+        checker.step(3, [carol.key, dave.key, erin.key], {})  # the swarm reached epoch 3: all three drawn
+        assert set(checker.pending) == {carol.key, dave.key, erin.key}
+
+        tally = trainer.open_epoch(worker, config, carol.key, 3)
+        for _ in range(2):
+            trainer.mini_step(worker, config, LocalSteps(worker.model), tally)
+        honest = claim(3, 16).copy(update={"loss_sum": tally.loss_sum, "mini_steps": 2,
+                                           "sketch": tally.gradients.sketch()})
+        lost = claim(3, 16).copy(update={"loss_sum": 8.0, "mini_steps": 2})  # no sketch
+        partial = honest.copy(update={"samples": 12})
+        seen = round_of(3, {carol: honest, dave: lost, erin: partial})
+        credit_epochs(session, run, seen)
+        checker.step(4, [], {item.peer_key: item.record for item in seen})
+        assert not checker.pending
+
+        checks = {c.username: c for c in session.scalars(select(SpotCheck))}
+        assert checks["carol"].passed and not checks["carol"].skipped, checks["carol"].evidence
+        assert (checks["dave"].skipped, checks["erin"].skipped) == (NO_SKETCH, PARTIAL)
+        assert totals(session, run) == {"carol": (32, 0), "dave": (0, 32), "erin": (0, 16 + 12)}
+        reasons = {username: {r for (r,) in session.execute(select(Contribution.reason).where(
+            Contribution.username == username))} for username in ("dave", "erin")}
+        assert reasons["dave"] == {
+            "held (this is not an accusation): a spot check could not judge this peer's claim of epoch 3: it carried "
+            "no gradient sketch (an old or modified dedloc-worker publishes none); update dedloc-worker, then ask the "
+            "run's organizers to lift the hold"}
+        assert reasons["erin"] == {
+            "held (this is not an accusation): a spot check could not judge this peer's claim of epoch 3: its 12 "
+            "samples are not 2 whole mini-batches of 8 (as after reloading the swarm's state mid-epoch); ask the run's "
+            "organizers to lift the hold"}
+        found = summary(session, run)
+        assert (found.drawn, found.checked, found.passed, found.undecidable) == (3, 1, 1, 2)
+
+    with organizer(database_url) as olivia:
+        page = olivia.get(f"/runs/{run.slug}/organize").text
+    assert '<span id="spot-undecidable">2</span> drawn claims could' in page
+    assert "1 carried no gradient sketch" in page and "could not be judged: it carried no gradient sketch" in page
+
+
+def test_a_held_account_stays_held_under_a_new_peer_key_until_an_organizer_lifts_the_hold(
+        sessions, database_url, tmp_path):
+    """mallory's first key fails a check; her worker restarts with a new key (a new token of the same account):
+    its claims are held too, and so is a sketchless draw's account; once olivia lifts the hold on the organize page,
+    mallory's claims are decided as anyone's (confirmed by carol's receipts: credited), carol's never moved."""
+    with sessions() as session:
+        run = aged_run(session, "restarted")
+        carol, mallory = Peer(session, run, "carol", tmp_path, 0), Peer(session, run, "mallory", tmp_path, 1)
+        credit_epochs(session, run, round_of(1, {carol: claim(1, 80), mallory: claim(1, 100)}))
+        failed = judge(sketch([-1.0] * SKETCH_DIMS), sketch([1.0] * SKETCH_DIMS), 4.0, 4.0)
+        assert enforce_check(session, run, record_check(session, run, peer_key=mallory.key, username="mallory",
+                                                        epoch=1, mini_steps=5, verdict=failed, claimed_loss=4.0,
+                                                        recomputed_loss=4.0))
+        restarted = Peer(session, run, "mallory", tmp_path, 2)
+        assert restarted.key != mallory.key
+        credit_epochs(session, run, round_of(2, {carol: claim(2, 80), restarted: claim(2, 100)}))
+        assert totals(session, run) == {"carol": (160, 0), "mallory": (0, 200)}
+        (reason,) = session.scalars(select(Contribution.reason).where(Contribution.peer_key == restarted.key))
+        assert reason.startswith("held: another peer of this account failed a spot check at epoch 1: the gradient")
+
+    with organizer(database_url) as olivia:
+        page = olivia.get(f"/runs/{run.slug}/organize")
+        lifted = olivia.post(f"/runs/{run.slug}/organize/lift", data={"username": "mallory",
+                                                                     "csrf": form_token(page.text)},
+                             follow_redirects=False)
+        assert lifted.status_code == 303, lifted.text
+        again = olivia.post(f"/runs/{run.slug}/organize/lift", data={"username": "mallory",
+                                                                    "csrf": form_token(page.text)})
+        assert again.status_code == 404 and "no spot check holds mallory" in again.text
+        page = olivia.get(f"/runs/{run.slug}/organize").text
+    assert "lifted by olivia" in page
+    with sessions() as session:
+        assert totals(session, run) == {"carol": (160, 0), "mallory": (200, 0)}
+        credit_epochs(session, run, round_of(3, {carol: claim(3, 80), restarted: claim(3, 100)}))
+        assert totals(session, run) == {"carol": (240, 0), "mallory": (300, 0)}
 
 
 @contextlib.contextmanager
@@ -247,8 +386,13 @@ def test_a_worker_sending_flipped_gradients_is_held_by_a_spot_check_and_an_hones
     assert [c.passed for c in checks["mallory"]] == [False] * len(checks["mallory"])
     # each recomputed on the checked peer's own parameters: after a round one of them missed, alice's and mallory's
     # parted (an honest alice scored cosine +0.49 against mallory's parameters once)
-    lines = [line for line in (deployment.logs / "coordinator.log").read_text().splitlines() if "spot check of" in line]
+    log = (deployment.logs / "coordinator.log").read_text().splitlines()
+    lines = [line for line in log if "spot check of" in line and "not judged" not in line]
     assert lines and all("on its own state" in line for line in lines), lines
+    # an honest worker's drawn claims can all be judged: none held her account (a drawn claim whose peer left or
+    # skipped the epoch holds nothing)
+    assert not [c for c in checks["alice"] if c.skipped in ("no sketch", "partial")], [
+        line for line in log if "not judged" in line]
     # her gradient points away from the true one (-1 when her parameters are the checker's; about -0.7 was seen
     # where her last round had partly failed and her parameters had drifted from the collaboration's)
     assert max(c.cosine for c in checks["mallory"]) < 0, [c.evidence for c in checks["mallory"]]
@@ -261,3 +405,4 @@ def test_a_worker_sending_flipped_gradients_is_held_by_a_spot_check_and_an_hones
     with organizer(deployment.database_url) as olivia:
         page = olivia.get(f"/runs/{deployment.slug}/organize").text
     assert "failed a spot check" in page and f"cosine {checks['mallory'][0].cosine:+.2f}" in page
+    assert "lift the hold" in page and '<span id="spot-undecidable">' in page

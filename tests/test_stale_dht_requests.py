@@ -9,9 +9,9 @@ import multiprocessing
 import time
 
 import hivemind
-from hivemind.utils import get_dht_time
 import pytest
-from dedloc_worker.swarm import SwarmDHT
+from dedloc_worker.swarm.node import SwarmDHT
+from hivemind.utils import get_dht_time
 
 pytestmark = [pytest.mark.swarm, pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 BUSY = 2.0  # seconds the DHT's event loop is held while the sender asks and leaves

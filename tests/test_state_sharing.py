@@ -4,6 +4,7 @@ the control."""
 
 from __future__ import annotations
 
+import asyncio
 import gc
 import inspect
 import time
@@ -13,8 +14,8 @@ import hivemind
 import hivemind.optim.optimizer as hivemind_optimizer
 import pytest
 import torch
-from dedloc_worker.averaging import PlannedAverager
-from dedloc_worker.state_sharing import StateAverager, declare_state_on_change
+from dedloc_worker.averaging.planned import PlannedAverager
+from dedloc_worker.averaging.state_sharing import StateAverager, declare_state_on_change
 from hivemind.averaging import DecentralizedAverager
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
@@ -144,29 +145,87 @@ class CutShort(StateAverager):
             yield message
 
 
+class Inflated(StateAverager):
+    """Serves its parameters x1000, as a poisoner would."""
+
+    def get_current_state(self):
+        metadata, tensors, infos = super().get_current_state()
+        return metadata, [tensor * 1000 for tensor in tensors], infos
+
+
+class NotFinite(StateAverager):
+    """Serves NaN parameters."""
+
+    def get_current_state(self):
+        metadata, tensors, infos = super().get_current_state()
+        return metadata, [torch.full_like(tensor, float("nan")) for tensor in tensors], infos
+
+
+LR, TRAINED = 0.1, 0.1  # the source's parameters lie a learning rate from the loader's: one step's reach
+
+
 def state_averager(cls, dht, prefix: str, value: float, sharing: bool):
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 2))
     with torch.no_grad():
         for param in model.parameters():
             param.fill_(value)
-    return cls(dht=dht, prefix=prefix, params=model.parameters(), optimizer=lambda ps: torch.optim.Adam(ps),
+    return cls(dht=dht, prefix=prefix, params=model.parameters(), optimizer=lambda ps: torch.optim.Adam(ps, lr=LR),
                allow_state_sharing=sharing, start=True, request_timeout=0.5, min_matchmaking_time=1.0)
 
 
-@pytest.mark.parametrize("server", [StateAverager, CutShort], ids=["whole", "cut-short"])
-def test_a_download_cut_short_is_dropped_in_one_line_and_a_whole_one_loads(dhts, server, caplog):
+REFUSALS = {CutShort: "it was incomplete",
+            Inflated: "its parameters lie 100 (root mean square) from this peer's at epoch 0",
+            NotFinite: "tensors are not finite"}
+
+
+@pytest.mark.parametrize("server", [StateAverager, CutShort, Inflated, NotFinite],
+                         ids=["whole", "cut-short", "x1000", "nan"])
+def test_a_download_cut_short_or_poisoned_is_refused_in_one_line_and_a_whole_one_loads(dhts, server, caplog):
     prefix = f"download_{server.__name__}"
-    source = state_averager(server, dhts[0], prefix, 1.0, sharing=True)
+    source = state_averager(server, dhts[0], prefix, TRAINED, sharing=True)
     loader = state_averager(StateAverager, dhts[1], prefix, 0.0, sharing=False)
     try:
         wait_until(lambda: dhts[1].get(f"{prefix}.all_averagers", latest=True) is not None, 30)
         loader.load_state_from_peers(timeout=10)  # hivemind 1.1.12 raised IndexError on the one cut short
         with loader.get_tensors() as tensors:
-            loaded = all(bool((tensor == 1.0).all()) for tensor in tensors)
-        if server is CutShort:
-            assert not loaded and "the training state downloaded from a peer was incomplete" in caplog.text
-        else:  # the control: the same download, whole, loads
-            assert loaded and "incomplete" not in caplog.text
+            loaded = all(bool((tensor == TRAINED).all()) for tensor in tensors)
+            untouched = all(bool((tensor == 0.0).all()) for tensor in tensors)
+        refusals = [r.getMessage() for r in caplog.records if "refused the training state" in r.getMessage()]
+        if server is StateAverager:  # the control: the same download, whole and plausible, loads
+            assert loaded and not refusals, refusals
+        else:
+            assert untouched and len(refusals) == 1 and "\n" not in refusals[0], refusals
+            assert REFUSALS[server] in refusals[0], refusals
     finally:
         loader.shutdown()
         source.shutdown()
+
+
+def aggregate_state_part(copies, weights):
+    """What ``StatePartReducer`` makes of one part's copies, as the default state rule (one learning rate)."""
+    from dedloc_worker.averaging.robust import RobustRule, StatePartReducer
+
+    async def aggregate():  # a reducer makes asyncio futures: in a loop of its own, whatever ran in this process before
+        reducer = StatePartReducer((copies[0].shape,), len(copies), rule=RobustRule(tau=1.0, iterations=20),
+                                   radius=LR)
+        return reducer._aggregate([(i, copy, weight) for i, (copy, weight) in enumerate(zip(copies, weights))])
+
+    return asyncio.run(aggregate())
+
+
+@pytest.mark.parametrize("attack", ["x1000", "nan", "weight"])
+def test_a_state_part_poisoned_by_one_sender_stays_near_the_others_and_the_plain_mean_does_not(attack):
+    honest = [torch.linspace(-1, 1, 64) + 0.01 * i for i in range(3)]
+    poisoned = {"x1000": honest[0] * 1000, "nan": torch.full((64,), float("nan")), "weight": -honest[0]}[attack]
+    weights = [1.0, 1.0, 1.0, 100.0 if attack == "weight" else 1.0]
+    robust = aggregate_state_part([*honest, poisoned], weights)
+    plain = sum(w * c for w, c in zip(weights, [*honest, poisoned])) / sum(weights)  # hivemind's mean
+    centre = torch.stack(honest).mean(0)
+    # one sender of four weighing at most 1 moves the centre by at most radius / 3 (LR * sqrt(64) / 3 = 0.27)
+    assert float((robust - centre).norm()) <= LR * 8 / 3 + 0.05
+    assert not bool(torch.isfinite(plain).all()) or float((plain - centre).norm()) > 1.0  # 3x the bound
+
+
+def test_a_state_part_no_sender_weighs_is_their_robust_centre_not_zeros():
+    copies = [torch.full((8,), 2.0), torch.full((8,), 2.0)]
+    assert torch.allclose(aggregate_state_part(copies, [0.0, 0.0]), torch.full((8,), 2.0))

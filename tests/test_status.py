@@ -8,8 +8,8 @@ from datetime import datetime, timedelta
 from importlib.metadata import version
 
 import pytest
-from fastapi.testclient import TestClient
 from dedloc_common.contract import in_utc
+from fastapi.testclient import TestClient
 from markupsafe import escape
 
 from app.core.clock import utcnow

@@ -1,10 +1,11 @@
-"""The rate a peer's progress reports carry (dedloc_worker.tracker.SteadyRate): what the others extrapolate it with."""
+"""The rate a peer's progress reports carry (dedloc_worker.training.tracker.SteadyRate): what the others extrapolate
+it with."""
 
 from __future__ import annotations
 
 import time
 
-from dedloc_worker.tracker import SteadyRate
+from dedloc_worker.training.tracker import SteadyRate
 from hivemind.utils.performance_ema import PerformanceEMA
 
 SLOW, FAST = 0.05, 0.0125  # seconds per mini-step of 16 samples: 320 and 1,280 samples/s

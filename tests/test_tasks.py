@@ -7,13 +7,13 @@ import warnings
 
 import pytest
 import torch
+from dedloc_common import model_types
+from dedloc_common.tasks import TaskOptionError, validate_task
+from dedloc_worker.errors import ConfigError
+from dedloc_worker.training import device
 
 from app.cli.demo import write_corpus
 from app.runs import files as run_files
-from dedloc_common import model_types
-from dedloc_common.tasks import TaskOptionError, validate_task
-from dedloc_worker import device
-from dedloc_worker.errors import ConfigError
 
 GPT2 = {"model_type": "gpt2", "n_embd": 64, "n_layer": 2, "n_head": 4, "n_positions": 64}
 
@@ -58,9 +58,8 @@ def text_files(tmp_path_factory):
 
 
 def test_a_causal_lm_learns_and_its_saved_files_load_with_from_pretrained(text_files, tmp_path):
-    from transformers import AutoModelForCausalLM
-
     from dedloc_worker.tasks.hf import CausalLM
+    from transformers import AutoModelForCausalLM
 
     options, paths = text_files
     torch.manual_seed(0)
@@ -86,10 +85,9 @@ def test_a_causal_lm_learns_and_its_saved_files_load_with_from_pretrained(text_f
 def test_an_image_classifier_trains_and_loads(tmp_path):
     import numpy as np
     from datasets import Dataset, Features, Image, Value
+    from dedloc_worker.tasks.hf import ImageClassification
     from PIL import Image as PILImage
     from transformers import AutoModelForImageClassification
-
-    from dedloc_worker.tasks.hf import ImageClassification
 
     rng = np.random.default_rng(0)
     # Two classes a classifier can tell apart: dark and bright noise.
@@ -147,9 +145,8 @@ def test_physical_cores_count_hyperthread_siblings_once(tmp_path):
 
 
 def test_a_float16_task_gets_hiveminds_grad_scaler_and_others_none():
+    from dedloc_worker.training.loop import grad_scaler
     from hivemind import GradScaler
-
-    from dedloc_worker.trainer import grad_scaler
 
     class Task:
         autocast = None

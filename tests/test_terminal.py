@@ -27,7 +27,7 @@ def logged(inner: BaseException) -> str:
         try:
             raise inner
         except BaseException as e:  # as in hivemind's _aggregate_with_group, then its _step
-            raise MatchmakingException(f"Unable to run All-Reduce: {e}")
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}")  # noqa: B904 (as hivemind raises it)
     except MatchmakingException as wrapped:
         logger.exception(wrapped)
     return out.getvalue()

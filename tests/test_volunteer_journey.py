@@ -4,10 +4,9 @@ sign in, copy the two lines from the join page, approve the worker's code, see i
 from __future__ import annotations
 
 import io
-import json
 import re
-import time
 import shlex
+import time
 import zipfile
 
 import httpx

@@ -6,22 +6,22 @@ import base64
 import functools
 import time
 from datetime import datetime, timedelta
+from typing import Sequence
 
 from cryptography.fernet import Fernet, InvalidToken
 from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.kdf.hkdf import HKDF
-from dedloc_common.contract import (PeerToken, PeerTokenGrant, ack_payload, denylist_payload, peer_key_of,
-                                   token_payload)
+from dedloc_common.contract import PeerToken, PeerTokenGrant, ack_payload, denylist_payload, peer_key_of, token_payload
 from dedloc_common.signing import load_public_openssh, new_private_key, peer_id_of, public_openssh, sign
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.runs import registry
+from app.core.clock import as_utc, utcnow
 from app.core.config import Settings
 from app.core.errors import Forbidden, Invalid, TooManyRequests
-from app.core.clock import as_utc, utcnow
-from app.models import IssuedPeerToken, Run, RunAllowlistEntry, RunBan
 from app.core.secrets import secret_key
+from app.models import IssuedPeerToken, Run, RunAllowlistEntry, RunBan
+from app.runs import registry
 
 ADMISSION_POLICIES = ("open", "allowlist", "org")
 
@@ -64,7 +64,7 @@ def is_banned(session: Session, run: Run, username: str) -> bool:
     return session.scalar(select(RunBan.id).where(RunBan.run_id == run.id, RunBan.username == username)) is not None
 
 
-def check_admission(session: Session, run: Run, username: str, organizations: list[str] = ()) -> None:
+def check_admission(session: Session, run: Run, username: str, organizations: Sequence[str] = ()) -> None:
     """``Forbidden`` with the reason in words when ``run`` does not admit ``username``."""
     if is_banned(session, run, username):
         raise Forbidden(f"{username} is banned from run {run.slug!r} by its organizers")
@@ -97,7 +97,7 @@ def check_limits(session: Session, settings: Settings, run: Run, username: str, 
 
 
 def issue_peer_token(
-    session: Session, settings: Settings, run: Run, username: str, public_key: str, organizations: list[str] = (),
+    session: Session, settings: Settings, run: Run, username: str, public_key: str, organizations: Sequence[str] = (),
     service: bool = False,
 ) -> PeerTokenGrant:
     """Sign a token binding ``username`` to ``public_key`` for the configured lifetime, and record it."""

@@ -11,13 +11,11 @@ import signal
 import sys
 import threading
 import time
-
 from pathlib import Path
 
 import httpx
-
 from dedloc_common.contract import LOOPBACK_OPTIMIZER
-from dedloc_worker.join import CREDENTIAL_ENV
+from dedloc_worker.session import CREDENTIAL_ENV
 
 from app.core.config import Settings
 from app.core.errors import DedlocError

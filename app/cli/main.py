@@ -12,6 +12,7 @@ import signal
 import sys
 import threading
 from pathlib import Path
+from typing import Any
 
 from app.core.config import Settings
 from app.core.errors import DedlocError
@@ -31,8 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "takes ten seconds or more to fill)")
     create.add_argument("--batch-size", type=int, default=16, help="samples per local mini-step")
     create.add_argument("--task-options", type=json.loads, default={}, help="JSON object of task options")
-    create.add_argument("--samples-per-second-ceiling", type=float, default=5000.0,
-                        help="claims above this per peer are held, not credited")
+    create.add_argument("--samples-per-second-ceiling", type=float, default=None,
+                        help="claims above this per peer are held, not credited (default: derived from the swarm's "
+                             "confirmed rates, docs/averaging.md#ceiling)")
     create.add_argument("--optimizer", type=json.loads, default={}, help="JSON object of optimizer options")
     create.add_argument("--file", type=Path, action="append", default=[], dest="files",
                         help="a data file the task options name (repeat for several); served to the run's workers")
@@ -111,9 +113,9 @@ def cmd_migrate(args, settings: Settings) -> None:
 
 
 def cmd_create_run(args, settings: Settings) -> None:
-    from app.runs import registry
     from app.core.database import make_engine, make_sessionmaker, migrate
     from app.core.errors import Invalid
+    from app.runs import registry
 
     migrate(settings.resolved_database_url)
     with make_sessionmaker(make_engine(settings.resolved_database_url))() as session:
@@ -156,8 +158,8 @@ def cmd_issue_credential(args, settings: Settings) -> None:
 
 
 def cmd_ban(args, settings: Settings) -> None:
-    from app.runs import registry
     from app.authority import tokens
+    from app.runs import registry
 
     with open_session(settings) as session:
         tokens.ban_user(session, registry.get_run(session, args.slug), args.username, "operator", args.reason)
@@ -165,8 +167,8 @@ def cmd_ban(args, settings: Settings) -> None:
 
 
 def cmd_unban(args, settings: Settings) -> None:
-    from app.runs import registry
     from app.authority import tokens
+    from app.runs import registry
 
     with open_session(settings) as session:
         tokens.unban_user(session, registry.get_run(session, args.slug), args.username)
@@ -208,7 +210,8 @@ def cmd_serve(args, settings: Settings) -> None:
         raise Invalid("--workers must be at least 1")
     migrate(settings.resolved_database_url)
     secret_key(settings)  # created here, once, before the processes that read it start
-    options = dict(host=settings.host, port=settings.port, timeout_graceful_shutdown=2, log_level="warning")
+    options: dict[str, Any] = dict(host=settings.host, port=settings.port, timeout_graceful_shutdown=2,
+                                   log_level="warning")
     if settings.web_processes == 1:
         uvicorn.run(create_app(settings), **options)
         return

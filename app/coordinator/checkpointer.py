@@ -19,17 +19,21 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 from dedloc_common.contract import CheckpointOptions, RunConfig
 from dedloc_common.tasks import run_files
-from dedloc_worker.checkpoints import write_archive
 from dedloc_worker.errors import WorkerError
-from dedloc_worker.swarm import inner_optimizer, scheduler_factory
-from dedloc_worker.tasks import build_task
+from dedloc_worker.tasks import Evaluated, Task, build_task
+from dedloc_worker.tasks.adapters import trainable
+from dedloc_worker.training.checkpoints import write_archive
+from dedloc_worker.training.options import inner_optimizer, scheduler_factory
 
 from app.runs import checkpoints as store
 from app.runs import files
+
+if TYPE_CHECKING:  # hivemind's: prepare() imports them once the averager is needed
+    from app.coordinator.state_download import OuterStateAverager, PeerStateAverager
 
 logger = logging.getLogger("dedloc.checkpointer")
 DOWNLOAD_TIMEOUT = 300.0  # seconds for one state download from a worker
@@ -45,7 +49,9 @@ class Checkpointer(threading.Thread):
         self.dht, self.config, self.options, self.sessions = dht, config, options, sessions
         self.data_dir = Path(data_dir)
         self.on_saved = on_saved
-        self.task = self.averager = None  # built by ``prepare`` once needed
+        # built by ``prepare`` once needed
+        self.task: Optional[Task] = None
+        self.averager: Optional[Union[OuterStateAverager, PeerStateAverager]] = None
         self.failure: Optional[str] = None  # why they could not be: no checkpoints then
         self.wanted = False  # a download found them not built yet: the next ``offer`` builds them
         with sessions() as session:
@@ -126,18 +132,25 @@ class Checkpointer(threading.Thread):
                 self.failure = str(e)
                 print(f"no checkpoints for run {config.slug!r}: {e}", flush=True)
                 return
-            from app.coordinator.state_download import PeerStateAverager
+            from app.coordinator.state_download import OuterStateAverager, PeerStateAverager
 
             on_interrupt = signal.getsignal(signal.SIGINT)
-            self.averager = PeerStateAverager(
-                dht=self.dht, prefix=f"{config.run_id}_state_averager", params=task.model.parameters(),
-                optimizer=inner_optimizer(opt), scheduler=scheduler_factory(opt),
-                # As hivemind.Optimizer builds the workers' (offloaded optimizer): the state has the same tensors.
-                offload_optimizer=True, custom_gradients=True, allow_state_sharing=False,
-                # A download's chunks may take a while on a slow link; hivemind's default would be the request
-                # timeout.
-                next_chunk_timeout=CHUNK_TIMEOUT, start=True,
-            )
+            if opt.algorithm == "local-updates":  # the peers serve the outer state (training.outer)
+                self.averager = OuterStateAverager(
+                    dht=self.dht, prefix=f"{config.run_id}_state_averager", params=trainable(task.model),
+                    optimizer=inner_optimizer(opt), scheduler=scheduler_factory(opt), outer_lr=opt.outer_lr,
+                    outer_momentum=opt.outer_momentum, allow_state_sharing=False, next_chunk_timeout=CHUNK_TIMEOUT,
+                    start=True)
+            else:
+                self.averager = PeerStateAverager(
+                    dht=self.dht, prefix=f"{config.run_id}_state_averager", params=trainable(task.model),
+                    optimizer=inner_optimizer(opt), scheduler=scheduler_factory(opt),
+                    # As hivemind.Optimizer builds the workers' (offloaded optimizer): the state has the same tensors.
+                    offload_optimizer=True, custom_gradients=True, allow_state_sharing=False,
+                    # A download's chunks may take a while on a slow link; hivemind's default would be the request
+                    # timeout.
+                    next_chunk_timeout=CHUNK_TIMEOUT, start=True,
+                )
             signal.signal(signal.SIGINT, on_interrupt)  # starting an averager ignores Ctrl-C in its caller
             self.task, self.wanted = task, False
 
@@ -146,6 +159,7 @@ class Checkpointer(threading.Thread):
         download has succeeded yet."""
         if not self.built():
             return self.held_epoch
+        assert self.averager is not None  # built() says so
         before = self.averager.local_epoch
         try:
             self.averager.load_state_from_peers(timeout=DOWNLOAD_TIMEOUT)
@@ -160,12 +174,13 @@ class Checkpointer(threading.Thread):
         state as it is (hold ``lock``); None when that peer serves none or the download failed."""
         if not self.built():
             return None
+        assert self.task is not None and self.averager is not None  # built() says so
         try:
             served = self.averager.download_from(peer_id, timeout=CHUNK_TIMEOUT)
         except Exception as e:  # a peer that left, or one in client mode (it serves nothing)
             logger.info("could not download the state of peer %s: %s: %s", peer_id, type(e).__name__, e)
             return None
-        shapes = [p.shape for p in self.task.model.parameters()]
+        shapes = [p.shape for p in trainable(self.task.model)]
         if served is None or not isinstance(served[0].get("epoch"), int) or len(served[1]) < len(shapes) or any(
                 t.shape != shape for t, shape in zip(served[1], shapes)):
             return None
@@ -178,7 +193,7 @@ class Checkpointer(threading.Thread):
     def _save(self, final: bool) -> Optional[int]:
         """Download the state, evaluate it, store it; the epoch saved, or None when no peer gave newer state."""
         epoch = self.download()
-        if final and epoch < self.final_epoch:
+        if final and self.final_epoch is not None and epoch < self.final_epoch:
             # The swarm's epoch runs ahead of what a peer announces it serves: the first download may come from a
             # peer one step behind. The run loop asks again at its next wake-up.
             logger.info("no peer serves the target epoch %d yet (got %d)", self.final_epoch, epoch)
@@ -187,7 +202,8 @@ class Checkpointer(threading.Thread):
             logger.info("no peer holds state newer than epoch %d yet", self.saved_epoch)
             self.saved_at = time.monotonic()
             return None
-        eval_loss = self.task.evaluate() if hasattr(self.task, "evaluate") else None
+        assert self.task is not None and self.averager is not None  # a download succeeded: both are built
+        eval_loss = self.task.evaluate() if isinstance(self.task, Evaluated) else None
         folder = store.checkpoints_dir(self.data_dir, self.config.slug)
         folder.mkdir(parents=True, exist_ok=True)
         name = f"epoch-{epoch:06d}.tar"
@@ -200,13 +216,16 @@ class Checkpointer(threading.Thread):
                 "eval_loss": eval_loss, "final": final}
         scheduler = self.averager.scheduler.state_dict() if self.averager.scheduler is not None else None
         params = [p for group in self.averager.optimizer.param_groups for p in group["params"]]
+        outer = getattr(self.averager, "outer", None)  # a local-updates run's: its momentum resumes with it
         sha256 = write_archive(folder / name, self.task, params, self.averager.optimizer.state_dict(), scheduler,
-                               meta)
+                               meta, outer=None if outer is None else {
+                                   "momentum": [m.clone() for m in outer.momentum_buffers()],
+                                   "rounds": self.averager.rounds})
         with self.sessions() as session:
             run = self._run(session)
-            store.record(session, run, epoch=epoch, samples=samples, eval_loss=eval_loss, sha256=sha256,
-                         size=(folder / name).stat().st_size, file_name=name, final=final)
-            store.prune(session, self.data_dir, run, self.options.keep)
+            store.store_archive(session, self.data_dir, run, epoch=epoch, samples=samples, eval_loss=eval_loss,
+                                sha256=sha256, size=(folder / name).stat().st_size, file_name=name, final=final,
+                                keep=self.options.keep)
             session.commit()
         self.saved_epoch, self.saved_at = epoch, time.monotonic()
         loss = "" if eval_loss is None else f", evaluation loss {eval_loss:.4f}"

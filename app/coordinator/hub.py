@@ -86,7 +86,7 @@ def push_stored(config, options, archive: Path, sessions, *, epoch: int, eval_lo
     if not options.hub_repo:
         return None
     try:
-        from dedloc_worker.checkpoints import extract
+        from dedloc_worker.training.checkpoints import extract
 
         from app.credit.ledger import leaderboard
         from app.runs import registry

@@ -11,31 +11,39 @@ import time
 from pathlib import Path
 from typing import Optional
 
+from dedloc_common.cleanup import end_descendants
+from dedloc_common.contract import AckRecord
+from dedloc_worker import patches
+from dedloc_worker.admission.gate import AdmissionState, RunAuthorizer, TokenCheck, to_access_token
+from dedloc_worker.admission.identity import persistent_key
+from dedloc_worker.admission.keeper import AdmissionKeeper
+from dedloc_worker.swarm.node import SwarmDHT, reach_peers
+from dedloc_worker.swarm.records import (
+    TOKEN_RECORD_TTL,
+    add_record_validators,
+    metrics_ttl,
+    publish_acks,
+    publish_denylist,
+    publish_plan,
+    read_metrics,
+    read_progress,
+)
 from hivemind.p2p import P2PDaemonError, PeerID
 from hivemind.utils import get_dht_time
-from dedloc_common.cleanup import end_descendants
-from dedloc_worker.admission import AdmissionState, RunAuthorizer, TokenCheck, guard_handlers, to_access_token
-from dedloc_worker.keeper import AdmissionKeeper
-from dedloc_worker.identity import persistent_key
-from dedloc_common.contract import AckRecord
-from dedloc_worker.records import (TOKEN_RECORD_TTL, add_record_validators, metrics_ttl, publish_acks,
-                                   publish_denylist, publish_plan, read_metrics, read_progress)
-from dedloc_worker.swarm import SwarmDHT, reach_peers
 from sqlalchemy.exc import IntegrityError, SQLAlchemyError
 
-from app.runs import registry
-
 from app.authority import tokens
-from app.credit.ledger import SignedMetrics, samples_total
-from app.credit.settlement import acknowledgements, credit_epochs, owners
-from app.core.config import Settings
-from app.core.database import make_engine, make_sessionmaker, migrate
-from app.core.clock import utcnow
-from app.runs.snapshots import record_snapshot
-from app.credit.stats_export import export_if_due
 from app.coordinator.addresses import announced_maddrs, default_listen
 from app.coordinator.planning import LinkSeen, PlanKeeper
 from app.coordinator.summary import PeerSeen, summarize
+from app.core.clock import utcnow
+from app.core.config import Settings
+from app.core.database import make_engine, make_sessionmaker, migrate
+from app.credit.ledger import SignedMetrics, samples_total
+from app.credit.settlement import acknowledgements, credit_epochs, owners
+from app.credit.stats_export import export_if_due
+from app.runs import registry
+from app.runs.snapshots import record_snapshot
 
 logger = logging.getLogger("dedloc.coordinator")
 # Worker addresses remembered for a restart; a few reachable ones are enough to rejoin the swarm.
@@ -75,7 +83,7 @@ class CoordinatorNode:
             check = TokenCheck(tokens.authority_public_key(session, self.settings, run))
         state = AdmissionState(folder)
         state.write_token(to_access_token(self._service_token(public_key)))
-        guard_handlers(state)  # the checkpointer's averager answers only admitted peers, like a worker's
+        patches.install(admission=state)  # the checkpointer's averager answers only admitted peers, like a worker's
         dht = self._start_dht(RunAuthorizer(check, state, key))
         keeper = None
         self.checkpointer = None
@@ -168,7 +176,7 @@ class CoordinatorNode:
             # After a crash the swarm still lists our PeerID for a while; the check would refuse our own restart.
             check_if_identity_free=False, authorizer=authorizer, start=True,
             # Serve as a circuit relay for workers behind NAT, which ask their bootstrap peers (us) first
-            # (hivemind's default too; dedloc_worker.swarm.relay_options, docs/hivemind.md#relays).
+            # (hivemind's default too; dedloc_worker.swarm.node.relay_options, docs/hivemind.md#relays).
             use_relay=True,
         )
         if known:
@@ -239,7 +247,8 @@ class CoordinatorNode:
 
     def _denylist_due(self, session, run) -> Optional[dict]:
         """The signed denylist when it changed or the one published is a third of its lifetime old, else None: each
-        store is signed and sent to every peer, and peers republish it themselves (``keeper.AdmissionKeeper``)."""
+        store is signed and sent to every peer, and peers republish it themselves
+        (``admission.keeper.AdmissionKeeper``)."""
         usernames, (sent, at) = tokens.banned_usernames(session, run), self.denylist_sent
         if usernames == sent and time.monotonic() - at < TOKEN_RECORD_TTL / 3:
             return None
@@ -294,9 +303,9 @@ def links_online(session, run, metrics: list[SignedMetrics], online: set[str], m
     """Peers online now that reported their link, named by the token issued for their key (not by the record).
     Auxiliary peers publish no progress record: a fresh metrics record counts as online too."""
     now = get_dht_time()
-    reporting = [m for m in metrics if m.record.link is not None
+    reporting = [(m, m.record.link) for m in metrics if m.record.link is not None
                  and (m.peer_key in online or now - m.record.time <= max_age)]
-    known = owners(session, run, (m.peer_key for m in reporting))
-    return [LinkSeen(m.peer_key, known[m.peer_key][1], known[m.peer_key][0], m.record.link, m.record.hardware,
+    known = owners(session, run, (m.peer_key for m, _ in reporting))
+    return [LinkSeen(m.peer_key, known[m.peer_key][1], known[m.peer_key][0], link, m.record.hardware,
                      m.record.samples_per_second, m.record.reachability)
-            for m in reporting if m.peer_key in known]
+            for m, link in reporting if m.peer_key in known]

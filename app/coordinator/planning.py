@@ -14,17 +14,28 @@ import functools
 import logging
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from typing import Callable, Optional, Sequence
 
-from dedloc_common.contract import GRADIENT_PART_BYTES, LinkReport, PlanRecord, RunConfig, plan_payload
+from dedloc_common.contract import GRADIENT_PART_BYTES, LinkReport, PlanRecord, RunConfig, ceiling_payload, plan_payload
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from app.authority import tokens
 from app.core.config import Settings
+from app.credit.ceiling import in_force as ceiling_in_force
 from app.models import AveragingPlan, Run
-from app.planner import PeerProfile, Plan, PlanningError, Replanner, StepOptions
+from app.planner import (
+    PeerProfile,
+    Plan,
+    PlanningError,
+    Replanner,
+    RoundObservation,
+    StepOptions,
+    fit_round_costs,
+    plan_round_seconds,
+)
 
 logger = logging.getLogger("dedloc.coordinator")
 # Share of the vector the live plan spreads evenly over the senders, at most. hivemind hands out whole parts, so a
@@ -32,15 +43,23 @@ logger = logging.getLogger("dedloc.coordinator")
 # worth, or its even slice of ATTESTATION_SHARE on a small vector (docs/averaging.md#attestation-floor).
 ATTESTATION_SHARE = 0.5
 ATTESTATION_PARTS = 2
-# Bytes per second of parts a CPU peer aggregates, on the cores it trains on: four peers on 2 cores are CPU-bound
-# near 240 Mbit/s each way (docs/benchmarks.md#staying-within-the-cpu), 60 MB/s per core (docs/averaging.md#step).
+# Bytes per second of parts a peer aggregates: hivemind reduces on the host CPU, in the averager's process, GPU
+# peer or not. Four peers on 2 cores are CPU-bound near 240 Mbit/s each way
+# (docs/benchmarks.md#staying-within-the-cpu), 60 MB/s per core (docs/averaging.md#step).
 CPU_REDUCE_BPS = 60e6
+# The part of each second a GPU peer's host spends aggregating that its training loses: its host feeds the GPU
+# (data, kernel launches, the offloaded optimizer step under delayed updates). An assumption, not measured here
+# (docs/averaging.md#step); a CPU peer loses all of it.
+GPU_REDUCE_COST = 0.25
 # A round's figures older than this say little about the link now (the worker re-measures its portal link every
-# 10 minutes: dedloc_worker.planning.LINK_REMEASURE).
+# 10 minutes: dedloc_worker.averaging.planning.LINK_REMEASURE).
 ROUND_FRESH_S = 600.0
 # Below this many bytes each way a round's time is mostly latency and matchmaking stragglers, not bandwidth: the
-# size of the worker's portal probe (dedloc_worker.portal.measure_link).
+# size of the worker's portal probe (dedloc_worker.portal.client.measure_link).
 ROUND_MIN_BYTES = 4 * 1024 * 1024
+# The round model is fitted from the newest this many measured rounds (one per peer and round): a few minutes of a
+# small swarm, so that the fit follows a swarm whose links or load change.
+ROUNDS_FITTED = 200
 
 
 def link_figures(link: LinkReport, now: float) -> tuple[float, float, str]:
@@ -102,14 +121,18 @@ def profiles_of(peers: Sequence[LinkSeen], now: Optional[float] = None) -> list[
         if upload > 0 and download > 0:
             rate = 0.0 if peer.link.aux else peer.samples_per_second or typical
             profiles.append(PeerProfile(peer.peer_id, rate, upload, download, client_mode=peer.link.client_mode,
-                                        aux=peer.link.aux, **cpu_cost(peer.hardware)))
+                                        aux=peer.link.aux, **reduce_cost(peer.hardware)))
     return profiles
 
 
-def cpu_cost(hardware: str) -> dict:
-    """A CPU peer aggregates on the cores it trains on; a GPU peer's training does not wait for its CPU."""
+def reduce_cost(hardware: str) -> dict:
+    """What aggregating costs a peer, by the hardware its record names: a CPU peer aggregates on the cores it trains
+    on and loses that training; a GPU peer's host aggregates as fast, and its GPU loses ``GPU_REDUCE_COST`` of it.
+    A peer that named no hardware is planned as before there was a compute term (aggregating costs nothing)."""
     if hardware.startswith("cpu"):
-        return dict(reduce_bps=CPU_REDUCE_BPS, reduce_costs_training=True)
+        return dict(reduce_bps=CPU_REDUCE_BPS, reduce_costs_training=1.0)
+    if hardware.startswith("cuda"):
+        return dict(reduce_bps=CPU_REDUCE_BPS, reduce_costs_training=GPU_REDUCE_COST)
     return {}
 
 
@@ -136,6 +159,8 @@ def group_of(plan: Plan, peer_id: str) -> int:
 
 
 def role_of(link: LinkReport) -> str:
+    """What the peer's flags allow: "client" (never aggregates), "aux" (trains nothing) or "aggregator" (may
+    aggregate). How much it aggregates is the plan's decision (``Plan.roles``, stored as ``step_role``)."""
     return "client" if link.client_mode else "aux" if link.aux else "aggregator"
 
 
@@ -151,19 +176,32 @@ class PlanKeeper:
         self.vector_bytes = 0
         self.record: Optional[PlanRecord] = None
         self.row_id: Optional[int] = None
+        self.rounds: deque[RoundObservation] = deque(maxlen=ROUNDS_FITTED)
+        self.round_seen: dict[str, float] = {}  # each peer's last round fitted (its round_ended), so none twice
+        self.measured: deque[float] = deque(maxlen=ROUNDS_FITTED)  # round seconds under the current plan
+        self.measured_seen: dict[str, float] = {}  # each peer's last round counted there (its round_ended)
+        self.costs = fit_round_costs((), GRADIENT_PART_BYTES)
+        self.ceiling: Optional[float] = None  # the run's ceiling in force, samples/s, as the last record carries it
 
     def update(self, session: Session, run: Run, peers: Sequence[LinkSeen]) -> Optional[PlanRecord]:
-        """Re-plan if the peers call for it; note the measured round time; the plan to publish now, or None."""
+        """Re-plan if the peers call for it; note the measured round time; the plan to publish now, or None. The
+        record carries the run's ceiling in force, re-signed when that changes under an unchanged plan."""
         now = self.wall_clock()
+        self.ceiling = round(ceiling_in_force(session, run).samples_per_second, 3)
         profiles = profiles_of(peers, now)
         vector_bytes = max((peer.link.vector_bytes for peer in peers), default=0)
+        if vector_bytes != self.vector_bytes:
+            self.rounds.clear()  # a new task or model: rounds of another vector say nothing about it
+        self._observe(peers, vector_bytes, now)
         if len(profiles) >= 2 and vector_bytes > 0:
-            if vector_bytes != self.vector_bytes:  # a new task or model: old plans say nothing about it
+            # the first plan, or a new task or model: old plans say nothing about it
+            if self.replanner is None or vector_bytes != self.vector_bytes:
                 # hold_back=False: the workers' averager streams results to zero-share peers in planned groups
                 self.replanner = Replanner(vector_bytes=vector_bytes, clock=self.clock, hold_back=False,
                                            min_interval_s=self.min_interval_s, step=self.step,
                                            min_share=functools.partial(attestation_floor, vector_bytes=vector_bytes))
                 self.vector_bytes = vector_bytes
+            self.replanner.costs = self.costs  # new plans and the hysteresis both weigh the fitted model
             try:
                 plan = self.replanner.update(profiles)
             except PlanningError as e:  # e.g. nobody left who may aggregate: keep hivemind's own split
@@ -171,18 +209,29 @@ class PlanKeeper:
                 plan = None
             if plan is not None:
                 self._adopt(session, run, plan, peers, self.replanner.last_reason, now)
-        self._note_measured(session, peers)
+        if self.record is not None and self.record.ceiling != self.ceiling:
+            self.record = self._signed(session, run, self.record.shares, self.record.predicted_seconds,
+                                       self.record.groups)
+        self._note_measured(session, peers, profiles)
         return self.record
+
+    def _observe(self, peers: Sequence[LinkSeen], vector_bytes: int, now: float) -> None:
+        """Add the rounds the peers report that were not fitted yet, and refit the round model."""
+        for peer in peers:
+            link = peer.link
+            fresh = (link.round_seconds > 0 and link.round_ended > self.round_seen.get(peer.peer_id, 0.0)
+                     and link.vector_bytes == vector_bytes and link.round_sent_bytes + link.round_received_bytes > 0)
+            upload, download, _ = link_figures(link, now)
+            if fresh and upload > 0 and download > 0:
+                self.round_seen[peer.peer_id] = link.round_ended
+                self.rounds.append(RoundObservation(link.round_seconds, link.round_sent_bytes,
+                                                    link.round_received_bytes, upload, download))
+        self.costs = fit_round_costs(self.rounds, GRADIENT_PART_BYTES)
 
     def _adopt(self, session: Session, run: Run, plan: Plan, peers: Sequence[LinkSeen], reason: str,
                now: float) -> None:
-        issued_at = time.time()
         figures = {peer.peer_id: link_figures(peer.link, now) for peer in peers}
-        groups = group_bits(plan)
-        signature = tokens.sign_plan(session, self.settings, run,
-                                     plan_payload(plan.shares, plan.predicted_seconds, issued_at, groups))
-        self.record = PlanRecord(shares=plan.shares, predicted_seconds=plan.predicted_seconds, issued_at=issued_at,
-                                 signature=signature, groups=groups)
+        self.record = self._signed(session, run, plan.shares, plan.predicted_seconds, group_bits(plan))
         row = AveragingPlan(
             run_id=run.id, vector_bytes=self.vector_bytes, predicted_seconds=plan.predicted_seconds,
             lower_bound_seconds=plan.lower_bound_seconds, reason=reason[:200],
@@ -203,16 +252,48 @@ class PlanKeeper:
         session.add(row)
         session.flush()
         self.row_id = row.id
+        # rounds the peers had already reported belong to the previous plan
+        self.measured = deque(maxlen=ROUNDS_FITTED)
+        self.measured_seen = {peer.peer_id: peer.link.round_ended for peer in peers}
         step = f", {plan.step_seconds:.3f} s per step" if plan.step_seconds is not None else ""
         logger.info("new averaging plan (%s): predicted %.3f s per round%s, bound %.3f s",
                     reason, plan.predicted_seconds, step, plan.lower_bound_seconds)
 
-    def _note_measured(self, session: Session, peers: Sequence[LinkSeen]) -> None:
-        """The median round time the peers report under the current plan."""
+    def _signed(self, session: Session, run: Run, shares: dict[str, float], predicted_seconds: float,
+                groups: dict[str, str]) -> PlanRecord:
+        """A plan record issued now with the ceiling in force, signed by the run's authority."""
+        assert self.ceiling is not None  # update() reads the ceiling in force before it signs anything
+        issued_at = time.time()
+        signature = tokens.sign_plan(session, self.settings, run, plan_payload(
+            shares, predicted_seconds, issued_at, groups))
+        ceiling_signature = tokens.sign_plan(session, self.settings, run, ceiling_payload(self.ceiling, issued_at))
+        return PlanRecord(shares=shares, predicted_seconds=predicted_seconds, issued_at=issued_at,
+                          signature=signature, groups=groups, ceiling=self.ceiling,
+                          ceiling_signature=ceiling_signature)
+
+    def _note_measured(self, session: Session, peers: Sequence[LinkSeen], profiles: Sequence[PeerProfile]) -> None:
+        """The median of the rounds the peers reported under the current plan (the newest ``ROUNDS_FITTED``; one
+        peer's last round alone was as likely a straggler's as not), and what the fitted model predicts for it."""
         if self.row_id is None:
             return
-        rounds = [peer.link.round_seconds for peer in peers if peer.link.round_planned and peer.link.round_seconds]
-        if rounds:
-            row = session.scalar(select(AveragingPlan).where(AveragingPlan.id == self.row_id))
-            if row is not None:
-                row.measured_seconds = statistics.median(rounds)
+        row = session.scalar(select(AveragingPlan).where(AveragingPlan.id == self.row_id))
+        if row is None:
+            return
+        for peer in peers:  # each round once, and only rounds that ended under this plan
+            link = peer.link
+            if link.round_planned and link.round_seconds > 0 and link.round_ended != self.measured_seen.get(
+                    peer.peer_id, 0.0):
+                self.measured_seen[peer.peer_id] = link.round_ended
+                self.measured.append(link.round_seconds)
+        if self.measured:
+            row.measured_seconds = statistics.median(self.measured)
+        current = self.replanner.current if self.replanner is not None else None
+        if self.costs.rounds and current is not None:
+            row.latency_seconds, row.part_seconds = self.costs.latency_seconds, self.costs.part_seconds
+            row.fitted_rounds = self.costs.rounds
+            planned = [p for p in profiles if p.peer in current.shares]
+            try:
+                row.fitted_seconds = plan_round_seconds(planned, current, self.vector_bytes, hold_back=False,
+                                                        costs=self.costs)
+            except PlanningError:  # a planned peer left: the next poll re-plans
+                pass

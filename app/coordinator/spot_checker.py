@@ -4,9 +4,12 @@ peer's own data with the parameters of their epoch, and records the verdict (``a
 When the swarm reaches a new epoch, each training peer is picked with the run's ``spot_check_rate`` (drawn here,
 after the peer computed, so a peer cannot know which of its epochs will be checked). For each one picked, the checker
 downloads that peer's own state through the checkpointer's averager (the parameters it computes on in that epoch),
-waits for the picked peers' claims of that epoch, redraws their batches (``dedloc_worker.spot_checks``) and compares.
-One pick waits at a time: a check costs one peer's epoch of compute and a state download, at most ``rate`` of the
-swarm's compute (docs/spot-checks.md). Its model is built at the first pick: a run at rate 0 costs the coordinator
+waits for the picked peers' claims of that epoch, redraws their batches (``dedloc_worker.training.spot_checks``) and
+compares. A picked claim that cannot be judged (no sketch, or samples that are not whole mini-batches) is recorded and
+holds its account like a failure, and a picked claim that never comes is recorded: a peer cannot dodge a check unseen. A
+check that holds its account re-decides the account's claims (``enforce_check``), so they are held from then on. One
+pick waits at a time: a check costs one peer's epoch of compute and a state download, at most ``rate`` of the swarm's
+compute (docs/spot-checks.md). Its model is built at the first pick: a run at rate 0 costs the coordinator
 nothing."""
 
 from __future__ import annotations
@@ -17,15 +20,43 @@ import threading
 import time
 from typing import Optional
 
+from dedloc_common.contract import MetricsRecord
 from dedloc_common.tasks import run_files
-from dedloc_worker.spot_checks import checkable, recompute
-from dedloc_worker.tasks import build_task
+from dedloc_worker.tasks import Task, build_task
+from dedloc_worker.tasks.adapters import trainable
+from dedloc_worker.training.spot_checks import checkable, recompute
+from sqlalchemy.orm import Session
 
 from app.credit.ledger import SignedMetrics
-from app.runs import files
+from app.credit.settlement import owners, settle_account
+from app.credit.spot_checks import (
+    HOLDING_SKIPS,
+    NO_CLAIM,
+    holds,
+    judge,
+    loss_step,
+    record_check,
+    record_skip,
+    skip_evidence,
+    unusable,
+)
+from app.models import Run, SpotCheck
+from app.runs import files, registry
 
 logger = logging.getLogger("dedloc.spot_checker")
 CLAIM_WAIT = 600.0  # seconds a pick waits for the claim of its epoch (a peer that left never sends it)
+
+
+def enforce_check(session: Session, run: Run, check: Optional[SpotCheck]) -> bool:
+    """Commit a check ``record_check`` or ``record_skip`` added; one that holds its account re-decides the account's
+    claims first, in the same transaction, so they are held from now on. False where that claim was drawn already
+    (``check`` is None)."""
+    if check is None:
+        return False
+    if holds(check):
+        settle_account(session, run, check.username)
+    session.commit()
+    return True
 
 
 def moved_past(record, epoch: int) -> bool:
@@ -41,13 +72,13 @@ class SpotChecker(threading.Thread):
         super().__init__(name="dedloc-spot-checker", daemon=True)
         self.checkpointer, self.sessions = checkpointer, sessions
         self.config = checkpointer.config
-        self.task = None  # its own model (the checkpointer's stays as downloaded), built by ``ready``
+        self.task: Optional[Task] = None  # its own model (the checkpointer's stays as downloaded), built by ``ready``
         self.rng = rng or random.SystemRandom()
         self.planned = -1  # the newest swarm epoch picks were drawn for
         # peer key -> (the epoch whose claim is checked, the parameters of that epoch, whose state they are)
         self.pending: dict[str, tuple[int, list, str]] = {}
         self.deadline = 0.0
-        self._latest = None
+        self._latest: Optional[tuple[int, list[str], dict[str, MetricsRecord]]] = None  # what offer() saw last
         self._lock = threading.Lock()
         self._wake, self._halt = threading.Event(), threading.Event()
 
@@ -91,6 +122,7 @@ class SpotChecker(threading.Thread):
                 self.check(peer_key, claim, params, source)
             elif time.monotonic() > self.deadline or (record is not None and moved_past(record, at)):
                 del self.pending[peer_key]  # it left, or reloaded its state and skipped that epoch: no claim comes
+                self.skip(peer_key, at, NO_CLAIM, skip_evidence(NO_CLAIM))
 
     def pick(self, epoch: int, training: list[str]) -> None:
         """Draw the peers to check at ``epoch``; for each, download the parameters it computes on: its own state
@@ -100,12 +132,11 @@ class SpotChecker(threading.Thread):
             return
         self.planned = epoch
         rate = self.checkpointer.options.spot_check_rate
+        if self.config.optimizer.algorithm != "large-batch":  # no sketch to recompute (docs/spot-checks.md)
+            rate = 0.0
         chosen = [peer_key for peer_key in training if self.rng.random() < rate]
         if not chosen or not self.ready():
             return
-        from app.credit.settlement import owners
-        from app.runs import registry
-
         with self.sessions() as session:
             peer_ids = {key: peer_id for key, (_, peer_id) in
                         owners(session, registry.get_run(session, self.config.slug), chosen).items()}
@@ -118,7 +149,7 @@ class SpotChecker(threading.Thread):
                     continue
                 if swarm_state is None and self.checkpointer.download() >= 0:  # once per pick, for every fallback
                     swarm_state = (self.checkpointer.averager.local_epoch, [
-                        p.detach().clone() for p in self.checkpointer.task.model.parameters()], "the swarm's state")
+                        p.detach().clone() for p in trainable(self.checkpointer.task.model)], "the swarm's state")
                 if swarm_state is not None:
                     pending[peer_key] = swarm_state
         if pending:
@@ -153,16 +184,15 @@ class SpotChecker(threading.Thread):
         """Recompute ``claim`` with ``params`` (those of its epoch, from ``source``) and record the verdict."""
         import torch
 
-        from app.credit.settlement import owners
-        from app.credit.spot_checks import judge, loss_step, record_check
-        from app.runs import registry
-
-        if not claim.sketch or not claim.mini_steps or claim.samples != claim.mini_steps * self.config.batch_size:
-            logger.info("spot check of %s at epoch %d: not checkable (no sketch, or samples that are not whole "
-                        "mini-batches)", peer_key[:8], claim.epoch)
+        kind = unusable(claim.sketch, claim.samples, claim.mini_steps, self.config.batch_size)
+        if kind is not None:
+            self.skip(peer_key, claim.epoch, kind, skip_evidence(kind, claim.samples, claim.mini_steps,
+                                                                 self.config.batch_size),
+                      claim.mini_steps, claim.loss_sum / claim.mini_steps if claim.mini_steps else 0.0)
             return
+        assert self.task is not None  # claims are pending only once ready() built it
         with torch.no_grad():
-            for param, value in zip(self.task.model.parameters(), params):
+            for param, value in zip(trainable(self.task.model), params):
                 param.copy_(value)
         started = time.monotonic()
         with self.checkpointer.lock:  # a task may reseed the global RNG, which the checkpointer's evaluation uses
@@ -176,12 +206,24 @@ class SpotChecker(threading.Thread):
             run = registry.get_run(session, self.config.slug)
             verdict = judge(claim.sketch, sketch, claimed_loss, loss, loss_step(session, run, claim.epoch))
             username = owners(session, run, [peer_key]).get(peer_key, ("(unknown)",))[0]
-            record_check(session, run, peer_key=peer_key, username=username, epoch=claim.epoch,
-                         mini_steps=claim.mini_steps, verdict=verdict, claimed_loss=claimed_loss,
-                         recomputed_loss=loss)
+            enforce_check(session, run, record_check(
+                session, run, peer_key=peer_key, username=username, epoch=claim.epoch, mini_steps=claim.mini_steps,
+                verdict=verdict, claimed_loss=claimed_loss, recomputed_loss=loss))
         if verdict.passed:  # rare (the run's rate): one line each, with what it cost
             print(f"spot check of {username}'s peer at epoch {claim.epoch} passed (cosine {verdict.cosine:+.2f}, "
                   f"{claim.mini_steps} mini-steps recomputed on {source} in {seconds:.1f} s)", flush=True)
         else:
-            print(f"spot check of {username}'s peer at epoch {claim.epoch} failed, its credit is held "
+            print(f"spot check of {username}'s peer at epoch {claim.epoch} failed, its account's credit is held "
                   f"(recomputed on {source}): {verdict.evidence}", flush=True)
+
+    def skip(self, peer_key: str, epoch: int, kind: str, evidence: str, mini_steps: int = 0,
+             claimed_loss: float = 0.0) -> None:
+        """Record a picked claim that was not judged, and why; one that could not be judged holds its account."""
+        with self.sessions() as session:
+            run = registry.get_run(session, self.config.slug)
+            username = owners(session, run, [peer_key]).get(peer_key, ("(unknown)",))[0]
+            enforce_check(session, run, record_skip(
+                session, run, peer_key=peer_key, username=username, epoch=epoch, kind=kind, evidence=evidence,
+                mini_steps=mini_steps, claimed_loss=claimed_loss))
+        held = ", its account's credit is held until an organizer lifts the hold" if kind in HOLDING_SKIPS else ""
+        print(f"spot check of {username}'s peer at epoch {epoch} not judged{held}: {evidence}", flush=True)

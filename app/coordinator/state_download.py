@@ -10,16 +10,21 @@ from __future__ import annotations
 from typing import Optional, Sequence, Tuple
 
 import torch
-from hivemind.compression import deserialize_torch_tensor
+from dedloc_worker.averaging.state_sharing import ChecksDownloads
+from dedloc_worker.swarm.leaving import ClosesReplica
+from dedloc_worker.training.outer import PseudoGradientAverager
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture
-from hivemind.utils.asyncio import aiter_with_timeout
-from hivemind.utils.streaming import combine_from_streaming
 
-from dedloc_worker.leaving import ClosesReplica
-from dedloc_worker.state_sharing import ChecksDownloads
+
+class OuterStateAverager(ClosesReplica, PseudoGradientAverager):
+    """The checkpointer's averager in a local-updates run: downloads the outer parameters and the outer optimizer's
+    momentum the peers serve (``training.outer.PseudoGradientAverager.load_state_from_peers``), into the model."""
+
+    @classmethod
+    def get_stub(cls, p2p, peer, *, namespace=None):
+        return TrainingStateAverager.get_stub(p2p, peer, namespace=namespace)
 
 
 class PeerStateAverager(ClosesReplica, TrainingStateAverager, ChecksDownloads):
@@ -35,23 +40,13 @@ class PeerStateAverager(ClosesReplica, TrainingStateAverager, ChecksDownloads):
         """(metadata, tensors) as ``peer_id`` serves its state (``get_current_state``'s order), or None when it
         serves none; raises what the transfer raised. ``timeout`` bounds the wait between two parts."""
         future = MPFuture()
-        self._outer_pipe.send(("_download_from", [], dict(peer_id=peer_id, timeout=timeout, future=future)))
+        self._outer_pipe.send(("_download_named", [], dict(peer_id=peer_id, timeout=timeout, future=future)))
         return future.result(timeout=timeout * 10)
 
-    async def _download_from(self, peer_id: str, timeout: float, future: MPFuture) -> None:
-        try:  # the loop of hivemind 1.1.12's _load_state_from_peers, for one peer
-            stub = self.get_stub(self._p2p, PeerID.from_base58(peer_id), namespace=self.prefix)
-            stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-            metadata, parts, tensors = None, [], []
-            async for message in aiter_with_timeout(stream, timeout=timeout):
-                if message.metadata:
-                    metadata = self.serializer.loads(message.metadata)
-                if message.tensor_part.dtype and parts:  # a dtype starts the next tensor
-                    tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                    parts = []
-                parts.append(message.tensor_part)
-            if parts:
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+    async def _download_named(self, peer_id: str, timeout: float, future: MPFuture) -> None:
+        # not ``_download_from``: that name is ``ChecksDownloads``'s, which its own downloads call
+        try:
+            metadata, tensors = await self._download_from(PeerID.from_base58(peer_id), timeout)
             future.set_result((metadata, tensors) if metadata else None)
         except Exception as e:
             future.set_exception(e)

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Mapping, Optional
+from typing import Mapping, Optional, Sequence
 
-from app.models import Contribution
+from app.models import Contribution, max_length
 
-REASON_LENGTH = Contribution.__table__.c.reason.type.length
+REASON_LENGTH = max_length(Contribution, "reason")
 NOT_ACCUSED = "this is not an accusation"
 NO_TOKEN = "no peer token was issued for this key: the swarm cannot tell whose it is"
 NO_ROUND = ("not confirmed: no averaging round formed in this epoch, so no other volunteer saw these samples "

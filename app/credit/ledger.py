@@ -8,12 +8,11 @@ from typing import Iterable, Optional
 from dedloc_common.contract import MetricsRecord, UtcDateTime
 from pydantic import BaseModel, ConfigDict
 from sqlalchemy import Select, case, func, select
-from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from app.identity.models import User
 from app.core.clock import as_utc
-from app.models import Contribution, Run
+from app.identity.models import User
+from app.models import Contribution, IssuedPeerToken, Run
 
 
 @dataclass(frozen=True)
@@ -24,9 +23,21 @@ class SignedMetrics:
     record: MetricsRecord
 
 
+def users_of_peer_ids(session: Session, run: Run, peer_ids: Iterable[str]) -> dict[str, str]:
+    """PeerID -> username from the issued-token table (the first user a key was issued to)."""
+    found: dict[str, str] = {}
+    query = select(IssuedPeerToken.peer_id, IssuedPeerToken.username).where(
+        IssuedPeerToken.run_id == run.id, IssuedPeerToken.peer_id.in_(list(set(peer_ids)))
+    ).order_by(IssuedPeerToken.issued_at)
+    for peer_id, username in session.execute(query):
+        found.setdefault(peer_id, username)
+    return found
+
+
 def samples_total(session: Session, run: Run) -> int:
     """Credited samples of the run (held samples are not counted until released)."""
-    return session.scalar(select(func.coalesce(func.sum(Contribution.credited), 0)).where(Contribution.run_id == run.id))
+    credited = func.coalesce(func.sum(Contribution.credited), 0)
+    return session.execute(select(credited).where(Contribution.run_id == run.id)).scalar_one()
 
 
 class LeaderboardEntry(BaseModel):

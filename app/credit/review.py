@@ -1,5 +1,5 @@
-"""Organizers' review of held credit: what is held in a run and why, the disputes behind it, releasing it, and the
-run's samples-per-second ceiling.
+"""Organizers' review of held credit: what is held in a run and why, the disputes behind it, releasing it, lifting
+the hold spot checks put on an account, and the run's samples-per-second ceiling.
 
 A release is final: the row is credited in full (``credited = samples``), remembers who released it, and keeps
 its reason with "(released by X)" so the volunteer's page still tells the story.
@@ -14,10 +14,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from app.core.errors import Invalid, NotFound
-from app.credit.settlement import NOT_A_MEMBER, OUTVOTED, UNRESOLVED, settle
-from app.models import Contribution, Dispute, Run
+from app.credit.settlement import NOT_A_MEMBER, OUTVOTED, UNRESOLVED, settle, settle_account
+from app.credit.spot_checks import holds
+from app.models import Contribution, Dispute, Run, SpotCheck, max_length
 
-REASON_LENGTH = Contribution.__table__.c.reason.type.length
+REASON_LENGTH = max_length(Contribution, "reason")
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,20 @@ def release_held(session: Session, *, run: Run, username: str, released_by: str,
     return released
 
 
+def lift_holds(session: Session, run: Run, username: str, lifted_by: str) -> int:
+    """An organizer ends the hold spot checks put on ``username``'s account: its claims are decided again as any
+    other's (receipts, ceiling). Returns the checks lifted; ``NotFound`` when none holds the account."""
+    checks = [check for check in session.scalars(select(SpotCheck).where(
+        SpotCheck.run_id == run.id, SpotCheck.username == username).with_for_update()) if holds(check)]
+    if not checks:
+        raise NotFound(f"no spot check holds {username}'s credit in run {run.slug!r}")
+    for check in checks:
+        check.lifted_by = lifted_by
+    session.flush()
+    settle_account(session, run, username)
+    session.commit()
+    return len(checks)
+
 
 @dataclass(frozen=True)
 class DisputedClaim:
@@ -119,7 +134,7 @@ def change_ceiling(session: Session, run: Run, samples_per_second: float) -> int
     under it; claims settled from now on use it too. Returns the claims re-decided. ``Invalid`` unless positive."""
     if not samples_per_second > 0 or samples_per_second == float("inf"):
         raise Invalid("the samples-per-second ceiling must be a positive number")
-    run.samples_per_second_ceiling = float(samples_per_second)
+    run.samples_per_second_ceiling, run.ceiling_from_organizer = float(samples_per_second), True
     held = session.execute(select(Contribution.group_id, Contribution.peer_key, Contribution.epoch).where(
         Contribution.run_id == run.id, Contribution.held > 0, Contribution.released_by.is_(None))).all()
     settle(session, run, {group for group, _, _ in held if group},

@@ -2,8 +2,11 @@
 
 A claim is what a peer's metrics record says it put into an epoch's step: its samples, the all-reduce round
 (hivemind's group id) they went into, and that round's members (PeerIDs) as hivemind formed it. A receipt is what
-a peer that aggregated part of that round says it saw: the sender's weight, which hivemind sets to the samples the
-sender accumulated.
+a peer that aggregated part of that round says it saw: the weight the sender's parts carried into the average
+(hivemind sets it to the samples the sender accumulated; the aggregator counts it after the run's cap, for the share
+of the parts that arrived finite, and not at all for parts that were all zeros), never more than the aggregator's
+own attestation of those parts says (``app.credit.attestations``). Where receipts are short, the reason names why,
+telling parts lost on the way (no accusation, and no dispute against the aggregator) from parts not finite or zeros.
 
 Who confirms a claim: only receipts from peers that (a) belong to another user than the claimant, by the
 issued-token table (``owners``), and (b) were members of the round as the round's members' own signed records attest
@@ -23,10 +26,12 @@ was claimed, or a split), the claim is held as disputed: what every side agrees 
 an organizer, who sees both sides (``app.credit.review``). A receipt from a peer that was not in the round counts
 for nothing and, where it says less than the claim, is recorded as a dispute against its author too.
 
-Then the ceiling: a claim is credited up to the run's samples-per-second ceiling times the epoch's length as the
+Then the ceiling: a claim is credited up to the run's samples-per-second ceiling (the organizer's, else derived from
+the swarm's confirmed rates: ``app.credit.ceiling``) times the epoch's length as the
 coordinator's clock saw it (``observed_seconds``: from its last snapshot before the epoch began to its first after
-the epoch ended), whatever the claim says its own seconds were. The rest is held, with the reason in words. A peer
-key that failed a spot check (``app.credit.spot_checks``) has every claim held, with the check's evidence.
+the epoch ended), whatever the claim says its own seconds were. The rest is held, with the reason in words. An account
+one of whose peers failed a spot check, or had a drawn claim a check could not judge (``app.credit.spot_checks``),
+has every claim held, of any of its peer keys, with the check's evidence, until an organizer lifts the hold.
 
 Claims and receipts meet on the round, not on epoch numbers: peers one epoch apart can share a round. Every
 decision is a function of what the database holds (claims, receipts, snapshots), so repeated polls, late receipts,
@@ -36,21 +41,36 @@ a restarted coordinator or two coordinators on one database all end in the same 
 from __future__ import annotations
 
 import statistics
+from dataclasses import replace
 from datetime import datetime
-from typing import Iterable, Optional, Sequence
+from typing import Any, Iterable, Optional, Sequence
 
 from dedloc_common.contract import REACHABILITY
 from sqlalchemy import delete, func, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from app.credit.decision import (  # noqa: F401  (re-exported: the names settlement's callers use)
-    ALONE, NO_MEMBERS, NO_ROUND, NO_TOKEN, NOT_A_MEMBER, NOT_ACCUSED, OUTVOTED, REASON_LENGTH, UNRESOLVED, Decision,
-    decide, same_account, unfinished, view_of)
-from app.credit import attestations
-from app.credit.ledger import SignedMetrics
-from app.credit.spot_checks import failed_checks
 from app.core.clock import as_utc, utcnow
+from app.credit import attestations
+from app.credit.ceiling import in_force as ceiling_in_force
+from app.credit.decision import (  # noqa: F401  (re-exported: the names settlement's callers use)
+    ALONE,
+    NO_MEMBERS,
+    NO_ROUND,
+    NO_TOKEN,
+    NOT_A_MEMBER,
+    NOT_ACCUSED,
+    OUTVOTED,
+    REASON_LENGTH,
+    UNRESOLVED,
+    Decision,
+    decide,
+    same_account,
+    unfinished,
+    view_of,
+)
+from app.credit.ledger import SignedMetrics, users_of_peer_ids
+from app.credit.spot_checks import account_holds
 from app.models import Contribution, Dispute, IssuedPeerToken, Peer, Receipt, Run, Snapshot
 
 
@@ -59,7 +79,7 @@ def _insert_new(session: Session, model, rows: dict[tuple, dict], keys: list[str
     Workers republish every unacknowledged claim each poll, so most rows of a poll are known."""
     new = [key for key in rows.keys() - set(known)]
     if new:
-        dialect = postgresql if session.bind.dialect.name == "postgresql" else sqlite
+        dialect = postgresql if session.get_bind().dialect.name == "postgresql" else sqlite
         statement = dialect.insert(model).on_conflict_do_nothing(index_elements=keys)  # a concurrent coordinator
         # On the connection, without RETURNING: the driver's own executemany (psycopg pipelines it). The ORM's bulk
         # path and SQLAlchemy's multi-row VALUES cost seconds in Python for a 1,000-peer epoch (16,000 receipts).
@@ -83,21 +103,10 @@ def owners(session: Session, run: Run, peer_keys: Iterable[str]) -> dict[str, tu
     return found
 
 
-def users_of_peer_ids(session: Session, run: Run, peer_ids: Iterable[str]) -> dict[str, str]:
-    """PeerID -> username from the issued-token table (the first user a key was issued to)."""
-    found: dict[str, str] = {}
-    query = select(IssuedPeerToken.peer_id, IssuedPeerToken.username).where(
-        IssuedPeerToken.run_id == run.id, IssuedPeerToken.peer_id.in_(list(set(peer_ids)))
-    ).order_by(IssuedPeerToken.issued_at)
-    for peer_id, username in session.execute(query):
-        found.setdefault(peer_id, username)
-    return found
-
-
 def credit_epochs(session: Session, run: Run, seen: Sequence[SignedMetrics]) -> int:
     """Record new claims and receipts, then settle every claim of the rounds they touch; returns new claims."""
     known = owners(session, run, (item.peer_key for item in seen))
-    claims = {
+    claims: dict[tuple, dict[str, Any]] = {
         (run.id, item.peer_key, c.epoch): dict(
             run_id=run.id, peer_key=item.peer_key, epoch=c.epoch,
             username=known.get(item.peer_key, (item.record.username,))[0],
@@ -124,10 +133,10 @@ def credit_epochs(session: Session, run: Run, seen: Sequence[SignedMetrics]) -> 
     new = _insert_new(session, Contribution, claims, ["run_id", "peer_key", "epoch"], map(tuple, known_claims))
     new_receipts = _insert_new(session, Receipt, receipts, ["run_id", "aggregator_key", "group_id", "sender_peer_id"],
                                map(tuple, known_receipts))
-    attestations.record(session, run, seen)
-    # Only rounds with something new are decided again: a decision is a function of the claims and receipts held
-    # (organizers' releases, a new ceiling and failed spot checks settle their own claims).
-    groups = {claims[key]["group_id"] for key in new} | {group for _, _, group, _ in new_receipts}
+    attested = attestations.record(session, run, seen)
+    # Only rounds with something new are decided again: a decision is a function of the claims, receipts and
+    # attestations held (organizers' releases, a new ceiling and failed spot checks settle their own claims).
+    groups = {claims[key]["group_id"] for key in new} | {group for _, _, group, _ in new_receipts} | attested
     settle(session, run, groups, ungrouped=[key[1:] for key in new if not claims[key]["group_id"]])
     session.commit()
     return len(new)
@@ -136,7 +145,7 @@ def credit_epochs(session: Session, run: Run, seen: Sequence[SignedMetrics]) -> 
 def acknowledgements(session: Session, run: Run, peer_keys: Iterable[str]) -> dict[str, int]:
     """peer key -> the newest epoch of its claims the database holds: what the coordinator acknowledges. Each
     metrics record carries the oldest claims its worker has not seen acknowledged (all of them, or as many as fit:
-    ``dedloc_worker.claims``), so all claims up to it are here."""
+    ``dedloc_worker.credit.outbox``), so all claims up to it are here."""
     query = select(Contribution.peer_key, func.max(Contribution.epoch)).where(
         Contribution.run_id == run.id, Contribution.peer_key.in_(list(set(peer_keys)))).group_by(Contribution.peer_key)
     return {peer_key: int(epoch) for peer_key, epoch in session.execute(query)}
@@ -162,7 +171,7 @@ def observed_seconds(window: tuple[datetime, Optional[datetime]], recorded_at: d
     return max((end - start).total_seconds(), 0.0)
 
 
-def settle(session: Session, run: Run, groups: set[str], ungrouped: Sequence[tuple[str, int]] = ()) -> None:
+def settle(session: Session, run: Run, groups: Iterable[str], ungrouped: Sequence[tuple[str, int]] = ()) -> None:
     """Re-decide every claim in the rounds ``groups`` (and the round-less claims ``ungrouped``, by (peer key,
     epoch)) that no organizer released, from all receipts known now; keep their disputes in step."""
     groups = sorted(group for group in groups if group)
@@ -170,7 +179,8 @@ def settle(session: Session, run: Run, groups: set[str], ungrouped: Sequence[tup
                Contribution.recorded_at, Contribution.credited, Contribution.held, Contribution.reason,
                Contribution.members, Contribution.observed_seconds)
     mine = (Contribution.run_id == run.id, Contribution.released_by.is_(None))
-    rows, listed_by = [], {}
+    rows: list[Any] = []
+    listed_by: dict[tuple[str, str], set[str]] = {}  # (round, claim key) -> the members its claim lists
     if groups:  # released claims decide nothing, but their members lists still attest who was in the round
         for row in session.execute(select(*columns, Contribution.released_by).where(
                 Contribution.run_id == run.id, Contribution.group_id.in_(groups))):
@@ -182,26 +192,32 @@ def settle(session: Session, run: Run, groups: set[str], ungrouped: Sequence[tup
             *mine, Contribution.group_id == "", tuple_(Contribution.peer_key, Contribution.epoch).in_(list(ungrouped))))
     if not rows:
         return
-    seen_by: dict[tuple[str, str], list[tuple[str, float]]] = {}
+    seen_by: dict[tuple[str, str], list[tuple[str, float, Optional[dict]]]] = {}
     if groups:
-        receipts = select(Receipt.group_id, Receipt.sender_peer_id, Receipt.aggregator_key, Receipt.weight).where(
-            Receipt.run_id == run.id, Receipt.group_id.in_(groups))
-        for group, sender, aggregator, weight in session.execute(receipts):
-            seen_by.setdefault((group, sender), []).append((aggregator, weight))
+        receipts = select(Receipt.group_id, Receipt.sender_peer_id, Receipt.aggregator_key, Receipt.weight,
+                          Receipt.attestation).where(Receipt.run_id == run.id, Receipt.group_id.in_(groups))
+        for group, sender, aggregator, weight, note in session.execute(receipts):
+            # a receipt counts no more than its aggregator's own note says the parts carried in (an older worker's
+            # receipt is the weight of the first part, whatever came after it)
+            weight = min(weight, attestations.applied(note)) if note else weight
+            seen_by.setdefault((group, sender), []).append((aggregator, weight, note))
     known = owners(session, run, {row.peer_key for row in rows} | {
-        aggregator for found in seen_by.values() for aggregator, _ in found})
+        aggregator for found in seen_by.values() for aggregator, _, _ in found})
     member_users = users_of_peer_ids(session, run, {member for row in rows for member in (row.members or ())})
     windows = {epoch: epoch_window(session, run, epoch) for epoch in {row.epoch for row in rows}}
-    failed = failed_checks(session, run, {row.peer_key for row in rows})  # a peer that failed a spot check is held
-    changes, disputes = [], {}
+    ceiling = ceiling_in_force(session, run).samples_per_second  # the organizer's, or derived from confirmed rates
+    # an account a spot check holds (failed, or a drawn claim it could not judge) is held, whichever key it uses
+    checked = account_holds(session, run, {known[row.peer_key][0] for row in rows if row.peer_key in known})
+    changes: list[dict[str, Any]] = []
+    disputes: dict[tuple[str, str, str], dict[str, Any]] = {}  # (round, claim key, aggregator key) -> a Dispute
     for row in rows:
         window = observed_seconds(windows[row.epoch], row.recorded_at)
         if row.peer_key not in known:
             decision = Decision(0, row.samples, NO_TOKEN)
-        elif row.peer_key in failed:
-            decision = Decision(0, row.samples, failed[row.peer_key])
+        elif known[row.peer_key][0] in checked:
+            decision = Decision(0, row.samples, checked[known[row.peer_key][0]].reason_for(row.peer_key))
         else:
-            decision = _decide_row(row, known, member_users, seen_by, listed_by, run, window, disputes)
+            decision = _decide_row(row, known, member_users, seen_by, listed_by, run, window, disputes, ceiling)
         now = (decision.credited, decision.held, decision.reason, window)
         if now != (row.credited, row.held, row.reason, row.observed_seconds):
             changes.append(dict(id=row.id, credited=decision.credited, held=decision.held, reason=decision.reason,
@@ -211,7 +227,17 @@ def settle(session: Session, run: Run, groups: set[str], ungrouped: Sequence[tup
     _keep_disputes(session, run, rows, disputes)
 
 
-def _decide_row(row, known, member_users, seen_by, listed_by, run: Run, window: float, disputes: dict) -> Decision:
+def settle_account(session: Session, run: Run, username: str) -> None:
+    """Re-decide every claim of ``username``'s peer keys in ``run`` that no organizer released: after a spot check
+    holds the account, or an organizer lifts the hold."""
+    rows = session.execute(select(Contribution.group_id, Contribution.peer_key, Contribution.epoch).where(
+        Contribution.run_id == run.id, Contribution.username == username)).all()
+    settle(session, run, {group for group, _, _ in rows if group},
+           ungrouped=[(peer_key, epoch) for group, peer_key, epoch in rows if not group])
+
+
+def _decide_row(row, known, member_users, seen_by, listed_by, run: Run, window: float, disputes: dict,
+                ceiling: float) -> Decision:
     """One claim's decision; the disputes it raises go into ``disputes`` by (round, claim key, aggregator key).
 
     :param listed_by: (round, peer key) -> the PeerIDs that peer's own claims for that round list as members: an
@@ -220,8 +246,8 @@ def _decide_row(row, known, member_users, seen_by, listed_by, run: Run, window: 
     """
     username, peer_id = known[row.peer_key]
     members = set(row.members or ())
-    counted, outsiders, own = [], [], []
-    for aggregator, weight in seen_by.get((row.group_id, peer_id), []) if row.group_id else []:
+    counted, outsiders, own, notes = [], [], [], {}
+    for aggregator, weight, note in seen_by.get((row.group_id, peer_id), []) if row.group_id else []:
         if aggregator == row.peer_key or aggregator not in known:
             continue
         author, author_peer_id = known[aggregator]
@@ -229,15 +255,17 @@ def _decide_row(row, known, member_users, seen_by, listed_by, run: Run, window: 
             own.append(weight)
         elif author_peer_id in members or peer_id in listed_by.get((row.group_id, aggregator), ()):
             counted.append((aggregator, author, weight))
+            notes[aggregator] = note
         else:
             outsiders.append((aggregator, author, weight))
     voices: dict[str, list[float]] = {}
     for _, author, weight in counted:
         voices.setdefault(author, []).append(weight)
     others = {member_users[m] for m in members if m in member_users} - {username}
-    decision = decide(row.samples, window, {author: statistics.median_low(weights) for author, weights in voices.items()},
-                      run.samples_per_second_ceiling, round_formed=bool(row.group_id), members_listed=bool(members),
+    seen = {author: statistics.median_low(weights) for author, weights in voices.items()}
+    decision = decide(row.samples, window, seen, ceiling, round_formed=bool(row.group_id), members_listed=bool(members),
                       others_in_round=len(others), own_account=own, username=username)
+    decision = _with_shortfall(decision, row.samples, [note for note in notes.values() if note])
 
     def against(aggregator: str, author: str, weight: float, kind: str) -> None:
         disputes[(row.group_id, row.peer_key, aggregator)] = dict(
@@ -247,7 +275,8 @@ def _decide_row(row, known, member_users, seen_by, listed_by, run: Run, window: 
     for aggregator, author, weight in counted:
         view = view_of(weight, row.samples)
         if decision.agreed is not None and view != decision.agreed:
-            against(aggregator, author, weight, OUTVOTED)
+            if not attestations.lost_in_transit(notes[aggregator]):  # parts that did not arrive are no dispute
+                against(aggregator, author, weight, OUTVOTED)
         elif decision.disputed and view < row.samples:
             against(aggregator, author, weight, UNRESOLVED)
     if members:  # a claim from a worker that lists no members cannot tell who was there: nobody is blamed
@@ -255,6 +284,16 @@ def _decide_row(row, known, member_users, seen_by, listed_by, run: Run, window: 
             if view_of(weight, row.samples) < row.samples:
                 against(aggregator, author, weight, NOT_A_MEMBER)
     return decision
+
+
+def _with_shortfall(decision: Decision, claimed: int, notes: list[dict]) -> Decision:
+    """``decision`` with the aggregators' account of why their receipts are short (parts not received, not finite,
+    zeros, a capped weight) added to its reason, where it credits less than claimed."""
+    words = attestations.shortfall(notes) if decision.credited < claimed else ""
+    if not words:
+        return decision
+    reason = f"{decision.reason}; {words}" if decision.reason else words
+    return replace(decision, reason=reason[:REASON_LENGTH])
 
 
 def _keep_disputes(session: Session, run: Run, rows, wanted: dict) -> None:

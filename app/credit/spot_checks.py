@@ -2,23 +2,29 @@
 peer's own data (``app/coordinator/spot_checker.py``), and what a failure does to the peer's credit.
 
 ``judge`` is a pure function of the two sketches and the two mean losses. A failed check is kept with its evidence
-(``SpotCheck``) and holds every claim of that peer key in the run, now and later (``settlement.settle`` asks
-``failed_checks``); organizers see the evidence on the organize page and may release the credit as any held credit.
-docs/spot-checks.md says what a check can and cannot catch.
+(``SpotCheck``). A drawn claim that cannot be judged (``unusable``: no sketch, or samples that are not whole
+mini-batches) is kept too, with why: skipping it would let a peer dodge every check by publishing no sketch. Either
+holds every claim of the peer's *account* in the run, now and later, whatever key it signs with
+(``settlement.settle`` asks ``account_holds``; the coordinator's spot checker re-decides the account's claims when it
+keeps one), until an organizer lifts the hold (``review.lift_holds``): a restarted
+worker's new key does not shake it off. The account is the user the peer token was issued to: the only identity
+the token table records, and a worker's new device login mints a new credential for the same user. Organizers see
+the evidence and the counts on the organize page. docs/spot-checks.md says what a check can and cannot catch.
 """
 
 from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
-from typing import Iterable
+from dataclasses import dataclass, field
+from typing import Iterable, Optional
 
 from dedloc_common.contract import decode_sketch
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from app.models import Contribution, Run, SpotCheck
+from app.models import Contribution, Run, SpotCheck, max_length
+from app.runs.fingerprints import fingerprint
 
 # An honest peer's sketch and the recomputed one differ only by float16 transport and, where the peer was a step
 # behind or the served state drifted, by one optimizer step: docs/spot-checks.md gives the cosines measured. A
@@ -78,71 +84,154 @@ def loss_step(session: Session, run: Run, epoch: int) -> float:
     return abs(statistics.median(losses[epoch - 1]) - statistics.median(losses[epoch - 2]))
 
 
-def held_reason(epoch: int, evidence: str) -> str:
-    return f"held: this peer failed a spot check at epoch {epoch}: {evidence}"[:Contribution.__table__.c.reason.type
-                                                                                .length]
+# Why a drawn claim was not judged (``SpotCheck.skipped``). The first two hold the account: a claim a check cannot
+# judge is one a cheater would send. The last two hold nothing: no claim, no credit to hold.
+NO_SKETCH, PARTIAL, NO_CLAIM, NOTHING_CLAIMED = "no sketch", "partial", "no claim", "nothing claimed"
+HOLDING_SKIPS = (NO_SKETCH, PARTIAL)
+NOT_ACCUSED = "this is not an accusation"
+
+
+def unusable(sketch: str, samples: int, mini_steps: int, batch_size: int) -> Optional[str]:
+    """Why a claim cannot be judged (a ``skipped`` kind), or None: it has a sketch, and its samples are its
+    mini-steps' whole batches (a peer that reloaded the swarm's state mid-epoch claims others)."""
+    if samples <= 0:
+        return NOTHING_CLAIMED
+    if not sketch:
+        return NO_SKETCH
+    if mini_steps <= 0 or samples != mini_steps * batch_size:
+        return PARTIAL
+    return None
+
+
+def skip_evidence(kind: str, samples: int = 0, mini_steps: int = 0, batch_size: int = 0) -> str:
+    """What a skip says, in words its owner reads: what happened, not what the peer is suspected of."""
+    if kind == NO_SKETCH:
+        return "it carried no gradient sketch (an old or modified dedloc-worker publishes none)"
+    if kind == PARTIAL:
+        return (f"its {samples:,} samples are not {mini_steps} whole mini-batches of {batch_size} (as after "
+                "reloading the swarm's state mid-epoch)")
+    if kind == NO_CLAIM:
+        return "no claim of that epoch came (the peer left, or reloaded the swarm's state and skipped the epoch)"
+    return "the claim had no samples"
+
+
+def held_reason(epoch: int, evidence: str, skipped: str = "", own: bool = True) -> str:
+    """The reason a claim is held for a check of its account at ``epoch``; ``own``: of the claim's own peer key."""
+    whose = "this peer" if own else "another peer of this account"
+    if not skipped:
+        reason = f"held: {whose} failed a spot check at epoch {epoch}: {evidence}"
+    else:
+        todo = "update dedloc-worker, then ask" if skipped == NO_SKETCH else "ask"
+        reason = (f"held ({NOT_ACCUSED}): a spot check could not judge {whose}'s claim of epoch {epoch}: "
+                  f"{evidence}; {todo} the run's organizers to lift the hold")
+    return reason[:max_length(Contribution, "reason")]
 
 
 def record_check(session: Session, run: Run, *, peer_key: str, username: str, epoch: int, mini_steps: int,
-                 verdict: Verdict, claimed_loss: float, recomputed_loss: float) -> bool:
-    """Keep a check's result (once per peer key and epoch); a failure re-decides the peer's claims, held now.
-    Returns False when that claim was checked already."""
-    exists = session.scalar(select(SpotCheck.id).where(SpotCheck.run_id == run.id, SpotCheck.peer_key == peer_key,
-                                                       SpotCheck.epoch == epoch))
+                 verdict: Verdict, claimed_loss: float, recomputed_loss: float) -> Optional[SpotCheck]:
+    """Add a check's result (once per peer key and epoch), uncommitted: the caller settles a failure's account
+    (``holds``) in the same transaction. Returns None when that claim was checked already."""
+    return _record(session, run, SpotCheck(
+        run_id=run.id, peer_key=peer_key, username=username, epoch=epoch, mini_steps=mini_steps,
+        passed=verdict.passed, cosine=verdict.cosine, norm_ratio=verdict.norm_ratio, claimed_loss=claimed_loss,
+        recomputed_loss=recomputed_loss, evidence=verdict.evidence[:max_length(SpotCheck, "evidence")]))
+
+
+def record_skip(session: Session, run: Run, *, peer_key: str, username: str, epoch: int, kind: str,
+                evidence: str, mini_steps: int = 0, claimed_loss: float = 0.0) -> Optional[SpotCheck]:
+    """Add a drawn claim that was not judged, and why (``kind``, a ``skipped`` value), uncommitted as
+    ``record_check``; one that could not be judged (``HOLDING_SKIPS``) holds. None when that claim was drawn already."""
+    return _record(session, run, SpotCheck(
+        run_id=run.id, peer_key=peer_key, username=username, epoch=epoch, mini_steps=mini_steps, passed=False,
+        cosine=0.0, norm_ratio=0.0, claimed_loss=claimed_loss if math.isfinite(claimed_loss) else 0.0,
+        recomputed_loss=0.0, skipped=kind, evidence=evidence[:max_length(SpotCheck, "evidence")]))
+
+
+def _record(session: Session, run: Run, check: SpotCheck) -> Optional[SpotCheck]:
+    exists = session.scalar(select(SpotCheck.id).where(SpotCheck.run_id == run.id, SpotCheck.peer_key == check.peer_key,
+                                                       SpotCheck.epoch == check.epoch))
     if exists is not None:
-        return False
-    session.add(SpotCheck(run_id=run.id, peer_key=peer_key, username=username, epoch=epoch, mini_steps=mini_steps,
-                          passed=verdict.passed, cosine=verdict.cosine, norm_ratio=verdict.norm_ratio,
-                          claimed_loss=claimed_loss, recomputed_loss=recomputed_loss,
-                          evidence=verdict.evidence[:SpotCheck.__table__.c.evidence.type.length]))
+        return None
+    session.add(check)
     session.flush()
-    if not verdict.passed:
-        from app.credit.settlement import settle
-
-        rows = session.execute(select(Contribution.group_id, Contribution.epoch).where(
-            Contribution.run_id == run.id, Contribution.peer_key == peer_key)).all()
-        settle(session, run, {group for group, _ in rows if group},
-               ungrouped=[(peer_key, epoch) for group, epoch in rows if not group])
-    session.commit()
-    return True
+    return check
 
 
-def failed_checks(session: Session, run: Run, peer_keys: Iterable[str]) -> dict[str, str]:
-    """peer key -> the hold's reason, for those of ``peer_keys`` that failed a spot check in ``run`` (the first)."""
-    query = select(SpotCheck.peer_key, SpotCheck.epoch, SpotCheck.evidence).where(
-        SpotCheck.run_id == run.id, SpotCheck.passed.is_(False), SpotCheck.peer_key.in_(list(set(peer_keys)))
-    ).order_by(SpotCheck.epoch)
-    found: dict[str, str] = {}
-    for peer_key, epoch, evidence in session.execute(query):
-        found.setdefault(peer_key, held_reason(epoch, evidence))
+def holds(check: SpotCheck) -> bool:
+    """Whether ``check`` holds its account's claims: failed, or drawn and not judgeable, and not lifted."""
+    return not check.passed and check.skipped in ("", *HOLDING_SKIPS) and check.lifted_by is None
+
+
+@dataclass(frozen=True)
+class AccountHold:
+    """The check that holds an account's claims: its peer key, epoch, and what it found."""
+
+    peer_key: str
+    epoch: int
+    skipped: str
+    evidence: str
+
+    def reason_for(self, peer_key: str) -> str:
+        return held_reason(self.epoch, self.evidence, self.skipped, own=peer_key == self.peer_key)
+
+
+def account_holds(session: Session, run: Run, usernames: Iterable[str]) -> dict[str, AccountHold]:
+    """username -> the check holding that account in ``run`` (a failure before a skip, then the earliest), for
+    those of ``usernames`` with one no organizer lifted."""
+    query = select(SpotCheck).where(
+        SpotCheck.run_id == run.id, SpotCheck.passed.is_(False), SpotCheck.lifted_by.is_(None),
+        SpotCheck.skipped.in_(["", *HOLDING_SKIPS]), SpotCheck.username.in_(list(set(usernames)))
+    ).order_by(SpotCheck.skipped != "", SpotCheck.epoch)
+    found: dict[str, AccountHold] = {}
+    for check in session.scalars(query):
+        found.setdefault(check.username, AccountHold(check.peer_key, check.epoch, check.skipped, check.evidence))
     return found
 
 
 @dataclass(frozen=True)
 class SpotCheckFailure:
+    """A check that holds (or held) an account: failed, or drawn and not judgeable (``skipped``)."""
+
     username: str
     fingerprint: str  # of the peer key (app.runs.fingerprints)
     epoch: int
     evidence: str
+    skipped: str = ""
+    lifted_by: Optional[str] = None
 
 
 @dataclass(frozen=True)
 class SpotCheckSummary:
-    """What organizers see: checks done and passed, and every failure with its evidence, newest first."""
+    """What organizers see: claims drawn, judged and passed; drawn claims not judged, by why; and every check that
+    holds (or held) an account, with its evidence, newest first."""
 
     checked: int
     passed: int
     failures: list[SpotCheckFailure]
+    skipped: dict[str, int] = field(default_factory=dict)  # ``skipped`` kind -> drawn claims
+
+    @property
+    def drawn(self) -> int:
+        return self.checked + sum(self.skipped.values())
+
+    @property
+    def undecidable(self) -> int:
+        """Drawn claims that could not be judged and hold their account."""
+        return sum(self.skipped.get(kind, 0) for kind in HOLDING_SKIPS)
 
 
 def summary(session: Session, run: Run, limit: int = 100) -> SpotCheckSummary:
-    from app.runs.fingerprints import fingerprint
-
-    counts = dict(session.execute(select(SpotCheck.passed, func.count()).where(SpotCheck.run_id == run.id)
-                                  .group_by(SpotCheck.passed)).all())
-    failures = [SpotCheckFailure(row.username, fingerprint(row.peer_key), row.epoch, row.evidence)
-                for row in session.scalars(select(SpotCheck).where(SpotCheck.run_id == run.id,
-                                                                   SpotCheck.passed.is_(False))
-                                           .order_by(SpotCheck.epoch.desc()).limit(limit))]
-    passed = int(counts.get(True, 0))
-    return SpotCheckSummary(passed + int(counts.get(False, 0)), passed, failures)
+    counts = session.execute(select(SpotCheck.skipped, SpotCheck.passed, func.count()).where(
+        SpotCheck.run_id == run.id).group_by(SpotCheck.skipped, SpotCheck.passed)).all()
+    judged = {passed: int(n) for kind, passed, n in counts if not kind}
+    skipped: dict[str, int] = {}
+    for kind, _, n in counts:
+        if kind:
+            skipped[kind] = skipped.get(kind, 0) + int(n)
+    failures = [SpotCheckFailure(row.username, fingerprint(row.peer_key), row.epoch, row.evidence, row.skipped,
+                                 row.lifted_by)
+                for row in session.scalars(select(SpotCheck).where(
+                    SpotCheck.run_id == run.id, SpotCheck.passed.is_(False),
+                    SpotCheck.skipped.in_(["", *HOLDING_SKIPS])).order_by(SpotCheck.epoch.desc()).limit(limit))]
+    passed = judged.get(True, 0)
+    return SpotCheckSummary(passed + judged.get(False, 0), passed, failures, skipped)

@@ -13,10 +13,10 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from app.core.clock import as_utc
+from app.core.errors import NotFound
 from app.credit.ledger import credit_columns, only_public
 from app.identity.models import User
-from app.core.errors import NotFound
-from app.core.clock import as_utc
 from app.models import Contribution, Run
 
 # Same words for hidden and unknown users: a 404 must not tell that a hidden user exists.

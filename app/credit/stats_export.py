@@ -26,10 +26,10 @@ from typing import Callable, Iterable, Optional
 
 from sqlalchemy.orm import Session
 
-from app.runs import registry
-from app.credit.ledger import leaderboard
 from app.core.clock import as_utc
+from app.credit.ledger import leaderboard
 from app.credit.standings import Totals, team_leaderboard
+from app.runs import registry
 
 FILES = ("users.json.gz", "users.csv.gz", "teams.json.gz", "teams.csv.gz")
 EXPORT_EVERY = timedelta(hours=24)
@@ -52,7 +52,8 @@ def totals_dict(entry) -> dict:
 def collect(session: Session) -> tuple[list[dict], list[dict]]:
     """(users, teams) as the JSON dumps list them: totals across runs and a ``runs`` list each."""
     boards = [(run.slug, {r.username: r for r in leaderboard(session, run, None)},
-               {r.team: r for r in team_leaderboard(session, run, None)}) for run in reversed(registry.list_runs(session))]
+               {r.team: r for r in team_leaderboard(session, run, None)})
+              for run in reversed(registry.list_runs(session))]
     users = [{"username": row.username, "team": row.team, **totals_dict(row),
               "runs": [{"run": slug, **totals_dict(by_user[row.username])}
                        for slug, by_user, _ in boards if row.username in by_user]}

@@ -10,9 +10,9 @@ from typing import Optional
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from app.identity.models import User
-from app.core.errors import Invalid
 from app.core.clock import as_utc
+from app.core.errors import Invalid
+from app.identity.models import User
 from app.models import Contribution, Peer, Run
 from app.runs.fingerprints import fingerprint
 

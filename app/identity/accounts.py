@@ -11,8 +11,8 @@ from typing import Optional
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.core.config import Settings
 from app.core.clock import as_utc, utcnow
+from app.core.config import Settings
 from app.identity.errors import SignInRefused, Unauthorized
 from app.identity.models import ApiCredential, User
 

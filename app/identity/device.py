@@ -7,9 +7,9 @@ import re
 import secrets
 from dataclasses import dataclass
 from datetime import datetime, timedelta
-from typing import Optional
+from typing import Any, Optional, cast
 
-from sqlalchemy import delete, select, update
+from sqlalchemy import CursorResult, delete, select, update
 from sqlalchemy.orm import Session
 
 from app.core.clock import as_utc, utcnow
@@ -111,10 +111,11 @@ def pending_device_code(session: Session, user_code: str) -> DeviceCode:
 def decide_device_login(session: Session, *, user_code: str, user: User, approve: bool) -> DeviceCode:
     """Approve (for ``user``) or deny a pending device login; ``UserCodeRefused`` when it is not pending."""
     row = pending_device_code(session, user_code)
-    decided = session.execute(
+    # An UPDATE answers a CursorResult; Session.execute is typed with the Result of any statement.
+    decided = cast(CursorResult[Any], session.execute(
         update(DeviceCode).where(DeviceCode.id == row.id, DeviceCode.status == "pending")
         .values(status="approved" if approve else "denied", user_id=user.id)
-    )
+    ))
     if decided.rowcount != 1:  # decided by another request in between
         session.rollback()
         raise UserCodeRefused(f"the code {row.user_code} was decided meanwhile; run `dedloc-worker login` again")
@@ -143,13 +144,13 @@ def poll_device_login(session: Session, *, device_code: str) -> DeviceGrant:
 
 def _redeem(session: Session, row: DeviceCode) -> DeviceGrant:
     # Only one poll may turn an approval into a credential, however many arrive at once.
-    redeemed = session.execute(
+    redeemed = cast(CursorResult[Any], session.execute(
         update(DeviceCode).where(DeviceCode.id == row.id, DeviceCode.status == "approved").values(status="used")
-    )
+    ))
     if redeemed.rowcount != 1:
         session.rollback()
         raise DeviceGrantError("invalid_grant", "this device code was already used; start the login again")
-    user = session.get(User, row.user_id)
+    user = session.get_one(User, row.user_id)  # an approved code names its user
     secret = issue_credential(session, user_id=user.id, client_name=row.client_name)
     session.commit()
     return DeviceGrant(access_token=secret, username=user.username)

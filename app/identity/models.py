@@ -9,7 +9,6 @@ from sqlalchemy import JSON, Boolean, CheckConstraint, DateTime, ForeignKey, Ind
 from sqlalchemy.orm import Mapped, mapped_column
 
 from app.core.clock import utcnow
-
 from app.models import Base
 
 DEVICE_STATUSES = ("pending", "approved", "denied", "used")

@@ -32,6 +32,8 @@ try:  # authlib drives httpx2 where it is installed (huggingface_hub brings it b
     TRANSPORT_ERRORS: tuple[type[Exception], ...] = (httpx.HTTPError, httpx2.HTTPError)
 except ImportError:
     TRANSPORT_ERRORS = (httpx.HTTPError,)
+# What both sign-in steps answer with 502: the provider could not be reached, or what it sent could not be used.
+PROVIDER_ERRORS: tuple[type[Exception], ...] = (*TRANSPORT_ERRORS, ValueError, RuntimeError)
 
 NAME = "oidc"
 # Seconds of clock difference tolerated between this portal and the provider on exp, iat and nbf.
@@ -78,7 +80,7 @@ async def redirect_to_provider(oauth: OAuth, request: Request, redirect_uri: str
     """A redirect to the provider's authorization endpoint; state, nonce and PKCE verifier go in the session."""
     try:
         return await oauth.create_client(NAME).authorize_redirect(request, redirect_uri)
-    except (*TRANSPORT_ERRORS, ValueError, RuntimeError) as e:
+    except PROVIDER_ERRORS as e:
         raise SignInRefused(f"cannot use the sign-in provider's discovery document ({e}); try again later, or "
                             "tell this portal's operator", 502) from None
 
@@ -110,7 +112,7 @@ async def identity_from_callback(oauth: OAuth, request: Request, settings: Setti
         raise _provider_refusal(e) from None
     except JoseError as e:
         raise _id_token_refusal(e) from None
-    except (*TRANSPORT_ERRORS, ValueError, RuntimeError) as e:
+    except PROVIDER_ERRORS as e:
         raise SignInRefused(f"cannot complete the sign-in with the provider ({e}); try again later", 502) from None
     return Identity(issuer=claims["iss"], subject=claims["sub"], username=username,
                     organizations=organizations_of(claims if "orgs" in claims else info))

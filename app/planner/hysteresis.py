@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 
 from app.planner.lp import plan_averaging, round_seconds
-from app.planner.model import PeerProfile, Plan, PlanningError
+from app.planner.model import BANDWIDTH_ONLY, PeerProfile, Plan, PlanningError, RoundCosts
 from app.planner.step import StepOptions, plan_cost, plan_step
 
 
@@ -27,6 +27,7 @@ class Replanner:
     :param min_share: the floor share of every sender for these peers (``plan_averaging``'s ``min_share``)
     :param step: plan the whole optimizer step, in groups (``plan_step``) and compare plans by step time; None plans
       the averaging round alone (``plan_averaging``)
+    :param costs: what a round costs besides bandwidth; ``costs`` may be set again as rounds are measured
     """
 
     def __init__(
@@ -39,6 +40,7 @@ class Replanner:
         hold_back: bool = True,
         min_share: Callable[[list[PeerProfile]], float | None] = lambda peers: None,
         step: StepOptions | None = None,
+        costs: RoundCosts = BANDWIDTH_ONLY,
     ) -> None:
         if not 0.0 <= min_improvement < 1.0:
             raise PlanningError(f"min_improvement is a fraction in [0, 1), got {min_improvement}")
@@ -51,6 +53,7 @@ class Replanner:
         self._hold_back = hold_back
         self._min_share = min_share
         self._step = step
+        self.costs = costs
         self._current: Plan | None = None
         self._solved_for: frozenset[PeerProfile] | None = None
         self._solved_at = 0.0
@@ -84,10 +87,11 @@ class Replanner:
 
     def _solve(self, peers: list[PeerProfile], key: frozenset[PeerProfile]) -> Plan:
         if self._step is not None:
-            plan = plan_step(peers, self._vector_bytes, self._step, min_share=self._min_share, hold_back=self._hold_back)
+            plan = plan_step(peers, self._vector_bytes, self._step, min_share=self._min_share,
+                             hold_back=self._hold_back, costs=self.costs)
         else:
             plan = plan_averaging(peers, self._vector_bytes, hold_back=self._hold_back,
-                                  min_share=self._min_share(peers))
+                                  min_share=self._min_share(peers), costs=self.costs)
         self._solved_for, self._solved_at = key, self._clock()
         return plan
 
@@ -99,9 +103,11 @@ class Replanner:
         assert self._current is not None
         try:
             if self._step is not None:
-                current = plan_cost(peers, self._current, self._vector_bytes, self._step, hold_back=self._hold_back)
+                current = plan_cost(peers, self._current, self._vector_bytes, self._step, hold_back=self._hold_back,
+                                    costs=self.costs)
             else:
-                current = round_seconds(peers, self._current.shares, self._vector_bytes, hold_back=self._hold_back)
+                current = round_seconds(peers, self._current.shares, self._vector_bytes, hold_back=self._hold_back,
+                                        costs=self.costs)
         except PlanningError:
             return True  # the current shares no longer fit, e.g. an aggregator switched to client mode
         new = candidate.step_seconds if self._step is not None and candidate.step_seconds is not None \
@@ -112,6 +118,7 @@ class Replanner:
         self._current, self.last_reason = plan, reason
         return plan
 
-    def _keep(self, reason: str) -> None:
+    def _keep(self, reason: str) -> Plan | None:
+        """What ``update`` returns to keep the current plan: None."""
         self.last_reason = reason
         return None

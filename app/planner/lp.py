@@ -2,7 +2,9 @@
 
 Round model (butterfly, i.e. partitioned all-reduce, as hivemind runs it), for a vector of V bytes: a sender i
 with share s_i moves (1 + (n_s - 2) s_i) V bytes each way, an auxiliary peer n_s s_j V; both directions run at
-once, so a peer needs max(up / u, down / d) seconds and the round lasts as long as its slowest peer.
+once, so a peer needs max(up / u, down / d) seconds and the round lasts as long as its slowest peer. With fitted
+``RoundCosts``, each byte also costs ``part_seconds / part_bytes`` in its direction and every round a fixed
+``latency_seconds`` (docs/averaging.md#fitted-round-model); the lower bounds stay those of bandwidth alone.
 
 Hold-back (hivemind 1.1.12, docs/averaging.md#hold-back): a zero-share sender needs up / u + down / d seconds; the
 planner keeps every other sender off it with a floor share (``HOLD_BACK_FLOOR / n_s``). ``hold_back=False`` models
@@ -21,7 +23,7 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 from scipy import optimize, sparse
 
-from app.planner.model import PeerProfile, Plan, PlanningError
+from app.planner.model import BANDWIDTH_ONLY, PeerProfile, Plan, PlanningError, RoundCosts
 
 HOLD_BACK_FLOOR = 1e-3
 """Share of the vector spread as a floor over the senders: each non-client sender aggregates at least this / n_s."""
@@ -33,7 +35,8 @@ SHARE_SUM_TOLERANCE = 1e-6
 class _Swarm:
     """The peers of one round as numpy arrays, so that the time model and the LPs are vectorised."""
 
-    def __init__(self, peers: Iterable[PeerProfile], vector_bytes: float) -> None:
+    def __init__(self, peers: Iterable[PeerProfile], vector_bytes: float, costs: RoundCosts = BANDWIDTH_ONLY
+                 ) -> None:
         self.peers = list(peers)
         self.ids = [p.peer for p in self.peers]
         if not self.peers:
@@ -43,8 +46,12 @@ class _Swarm:
         if not (math.isfinite(vector_bytes) and vector_bytes > 0):
             raise PlanningError(f"vector_bytes must be a positive number of bytes, got {vector_bytes}")
         self.vector_bytes = float(vector_bytes)
-        self.up = np.array([p.upload_bps for p in self.peers], dtype=float)
-        self.down = np.array([p.download_bps for p in self.peers], dtype=float)
+        # The links as measured (the lower bounds), and as the round model sees them: slower by the per-part cost.
+        self.link_up = np.array([p.upload_bps for p in self.peers], dtype=float)
+        self.link_down = np.array([p.download_bps for p in self.peers], dtype=float)
+        self.up = 1.0 / (1.0 / self.link_up + costs.seconds_per_byte)
+        self.down = 1.0 / (1.0 / self.link_down + costs.seconds_per_byte)
+        self.latency = costs.latency_seconds
         self.reduce = np.array([p.reduce_bps for p in self.peers], dtype=float)
         self.sends = np.array([p.sends for p in self.peers], dtype=bool)
         self.aggregates = np.array([p.can_aggregate for p in self.peers], dtype=bool)
@@ -56,11 +63,6 @@ class _Swarm:
         """Bytes each direction carries per unit of share, in units of V (n_s - 2 for senders, n_s for aux)."""
         return np.where(self.sends, self.n_senders - 2, self.n_senders).astype(float)
 
-    def zero_share_seconds(self, hold_back: bool) -> np.ndarray:
-        """Seconds a zero-share sender needs to push V bytes and pull V bytes back."""
-        up, down = self.vector_bytes / self.up, self.vector_bytes / self.down
-        return up + down if hold_back else np.maximum(up, down)
-
     def seconds(self, shares: np.ndarray, hold_back: bool) -> float:
         """Modelled seconds for one round under ``shares`` (aligned with ``self.peers``)."""
         if self.n_senders == 0:
@@ -68,7 +70,7 @@ class _Swarm:
         traffic = self.vector_bytes * (self.sends + self.share_load() * shares)
         up, down = traffic / self.up, traffic / self.down
         held = hold_back & self.sends & (shares == 0)
-        return float(np.where(held, up + down, np.maximum(up, down)).max())
+        return self.latency + float(np.where(held, up + down, np.maximum(up, down)).max())
 
     def share_vector(self, shares: Mapping[str, float]) -> np.ndarray:
         """Shares aligned with ``self.peers``; peers missing from the mapping get zero."""
@@ -87,7 +89,8 @@ class _Swarm:
 
 
 def plan_averaging(
-    peers: Iterable[PeerProfile], vector_bytes: float, *, min_share: float | None = None, hold_back: bool = True
+    peers: Iterable[PeerProfile], vector_bytes: float, *, min_share: float | None = None, hold_back: bool = True,
+    costs: RoundCosts = BANDWIDTH_ONLY,
 ) -> Plan:
     """Choose the share of the vector each peer aggregates so that one averaging round is as short as possible.
 
@@ -96,9 +99,10 @@ def plan_averaging(
     :param min_share: floor share of every non-client sender (fraction of the vector); by default
       ``HOLD_BACK_FLOOR / n_s`` with hold-back and 0 without
     :param hold_back: model hivemind 1.1.12's hold-back of results for zero-share peers
+    :param costs: what a round costs besides bandwidth (fitted from measured rounds); bandwidth alone by default
     :returns: the plan; its predicted and lower-bound times are seconds per round
     """
-    swarm = _Swarm(peers, vector_bytes)
+    swarm = _Swarm(peers, vector_bytes, costs)
     if swarm.n_senders == 0:
         equal = swarm.aggregates / swarm.aggregates.sum()
         return Plan(shares=swarm.shares_dict(equal), predicted_seconds=0.0, lower_bound_seconds=0.0)
@@ -149,13 +153,14 @@ def _solve_shares(swarm: _Swarm, floor: float, hold_back: bool) -> np.ndarray:
 
 
 def round_seconds(
-    peers: Iterable[PeerProfile], shares: Mapping[str, float], vector_bytes: float, *, hold_back: bool = True
+    peers: Iterable[PeerProfile], shares: Mapping[str, float], vector_bytes: float, *, hold_back: bool = True,
+    costs: RoundCosts = BANDWIDTH_ONLY,
 ) -> float:
     """Modelled seconds for one averaging round of ``vector_bytes`` bytes under ``shares`` (see module doc).
 
     Peers missing from ``shares`` get share zero, as a peer that joined after the plan was made would.
     """
-    swarm = _Swarm(peers, vector_bytes)
+    swarm = _Swarm(peers, vector_bytes, costs)
     return swarm.seconds(swarm.share_vector(shares), hold_back)
 
 
@@ -175,17 +180,19 @@ def lower_bound_seconds(peers: Iterable[PeerProfile], vector_bytes: float, *, ho
 
 def _lower_bound(swarm: _Swarm, hold_back: bool) -> float:
     bounds = [0.0]
+    up, down = swarm.link_up, swarm.link_down  # bandwidth alone: a bound, whatever the fitted costs
     clients = swarm.sends & ~swarm.aggregates
     if clients.any():
-        bounds.append(float(swarm.zero_share_seconds(hold_back)[clients].max()))
+        alone_up, alone_down = swarm.vector_bytes / up[clients], swarm.vector_bytes / down[clients]
+        bounds.append(float((alone_up + alone_down if hold_back else np.maximum(alone_up, alone_down)).max()))
     if swarm.n_senders >= 2:
         volume, carriers = swarm.vector_bytes, swarm.sends | swarm.aggregates
         total = 2 * (swarm.n_senders - 1) * volume
-        bounds += [volume / swarm.up[swarm.sends].min(), volume / swarm.down[swarm.sends].min()]
-        bounds += [total / swarm.up[carriers].sum(), total / swarm.down[carriers].sum()]
+        bounds += [volume / up[swarm.sends].min(), volume / down[swarm.sends].min()]
+        bounds += [total / up[carriers].sum(), total / down[carriers].sum()]
         if clients.any() and swarm.aggregates.any():
             rest = total - int(clients.sum()) * volume
-            bounds += [rest / swarm.up[swarm.aggregates].sum(), rest / swarm.down[swarm.aggregates].sum()]
+            bounds += [rest / up[swarm.aggregates].sum(), rest / down[swarm.aggregates].sum()]
     return float(max(bounds))
 
 

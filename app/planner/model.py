@@ -10,7 +10,6 @@ from dataclasses import dataclass, field
 
 from app.core.errors import Invalid
 
-
 ROLES = ("compute+aggregate", "compute", "aggregate", "idle")
 """What a peer does in a step: trains and aggregates more than the floor share, only trains (its share is the floor
 or zero), only aggregates (an auxiliary peer with a share), or nothing (an auxiliary peer the plan leaves out)."""
@@ -26,7 +25,8 @@ class PeerProfile:
 
     :param peer: unique peer identifier (the libp2p PeerID in base58)
     :param samples_per_second: training throughput, samples per second; 0 for peers that do not train. The time
-      of one averaging round does not depend on it: it is carried for the coordinator's step-time estimate.
+      of one averaging round does not depend on it; the step's does, and so, under delayed parameter updates, does
+      what aggregating a share costs the peer's training (``reduce_costs_training``)
     :param upload_bps: upload bandwidth, bytes per second
     :param download_bps: download bandwidth, bytes per second
     :param client_mode: the peer cannot accept incoming connections (behind NAT): it sends and receives, but
@@ -34,8 +34,10 @@ class PeerProfile:
     :param aux: auxiliary peer: contributes no vector of its own, but may aggregate (a CPU server)
     :param reduce_bps: bytes per second of incoming parts the peer can aggregate (its CPU's rate, serialization
       included); ``math.inf`` where aggregating is never what limits it
-    :param reduce_costs_training: aggregating runs on the cores the peer trains on (a CPU peer), so each second it
-      spends aggregating during the next accumulation (delayed parameter updates) is a second of training lost
+    :param reduce_costs_training: the fraction of each second the peer spends aggregating during the next
+      accumulation (delayed parameter updates) that its training loses, in [0, 1]: 1 for a peer that aggregates on
+      the cores it trains on (a CPU peer), a part for a GPU peer whose host feeds its GPU, 0 where aggregating never
+      slows training (``True``/``False`` read as 1/0)
     """
 
     peer: str
@@ -45,7 +47,7 @@ class PeerProfile:
     client_mode: bool = False
     aux: bool = False
     reduce_bps: float = math.inf
-    reduce_costs_training: bool = False
+    reduce_costs_training: float = 0.0
 
     def __post_init__(self) -> None:
         if not self.peer:
@@ -59,6 +61,9 @@ class PeerProfile:
         if not (self.reduce_bps > 0):  # inf is allowed: aggregating never limits the peer
             raise PlanningError(f"peer {self.peer}: reduce_bps must be a positive number of bytes/s, got "
                                 f"{self.reduce_bps}")
+        if not 0.0 <= self.reduce_costs_training <= 1.0:
+            raise PlanningError(f"peer {self.peer}: reduce_costs_training is a fraction in [0, 1], got "
+                                f"{self.reduce_costs_training}")
 
     @property
     def sends(self) -> bool:
@@ -69,6 +74,42 @@ class PeerProfile:
     def can_aggregate(self) -> bool:
         """Whether the peer may be given a non-zero share (it must accept incoming connections)."""
         return not self.client_mode
+
+
+@dataclass(frozen=True)
+class RoundCosts:
+    """What a round costs besides moving bytes over the links, fitted from the rounds a swarm measured
+    (``app.planner.fit``; docs/averaging.md#fitted-round-model).
+
+    :param latency_seconds: seconds every round takes whatever its size (the group's first messages, the last
+      result's way back, waits on stragglers)
+    :param part_seconds: seconds each part of ``part_bytes`` costs the peer that sends or receives it (serializing,
+      one RPC message), in each direction, on top of its link time
+    :param part_bytes: bytes per part, as the averager splits the vector
+    :param rounds: how many measured rounds the figures were fitted from (0: not fitted, both costs 0)
+    """
+
+    latency_seconds: float = 0.0
+    part_seconds: float = 0.0
+    part_bytes: float = 2.0**17
+    rounds: int = 0
+
+    def __post_init__(self) -> None:
+        for name in ("latency_seconds", "part_seconds"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0):
+                raise PlanningError(f"{name} must be >= 0 seconds, got {value}")
+        if not (math.isfinite(self.part_bytes) and self.part_bytes > 0):
+            raise PlanningError(f"part_bytes must be a positive number of bytes, got {self.part_bytes}")
+
+    @property
+    def seconds_per_byte(self) -> float:
+        """The per-part cost spread over the part's bytes: what each byte adds to a direction's link time."""
+        return self.part_seconds / self.part_bytes
+
+
+BANDWIDTH_ONLY = RoundCosts()
+"""The round model of bandwidth alone: what a round costs before any round was measured."""
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,15 @@ Step model, for a global batch of B samples and peers that train at c_i samples 
 - blocking (no delayed parameter updates): ``step = B / C + T``, T the averaging round (its slowest group's);
   aggregating costs no training, as training waits for the round;
 - overlapped (delayed parameter updates): the round runs during the next accumulation, so
-  ``step = max(T, (B + L) / C)``, where ``L = sum_j c_j * k_j * V * s_j / r_j`` are the samples lost by the
-  peers that aggregate on the cores they train on (``PeerProfile.reduce_costs_training``, a CPU peer).
+  ``step = max(T, (B + L) / C)``, where ``L = sum_j w_j * c_j * k_j * V * s_j / r_j`` are the samples the
+  aggregators' training loses: aggregating competes with computing for a peer's resources, as in the paper's
+  model, by the fraction ``w_j`` of its reduce seconds that its training loses (``PeerProfile.reduce_costs_training``:
+  1 for a CPU peer, a part for a GPU peer). So the LP hands aggregation to the peers whose compute is worth least,
+  where the links allow: with equal links, the slower trainer aggregates (docs/averaging.md#step).
 
 In both, a peer that reduces at r_j bytes per second needs ``k_j * V * s_j / r_j`` seconds for its share (k_j: the
-parts it receives, n_s - 1 for a sender, n_s for an auxiliary peer), which bounds the round like its links do. The round model of each group is ``app.planner.lp``'s.
+parts it receives, n_s - 1 for a sender, n_s for an auxiliary peer), which bounds the round like its links do. The round
+model of each group is ``app.planner.lp``'s.
 
 Groups: ``partition_groups`` deals the peers into ceil(n / m) groups so that each has peers that may aggregate and
 fast and slow links alike (the round lasts as long as the slowest group). The LP has the shares of every peer that
@@ -29,7 +33,7 @@ import numpy as np
 from scipy import optimize, sparse
 
 from app.planner.lp import _floor_share, _lower_bound, _Swarm
-from app.planner.model import PeerProfile, Plan, PlanningError
+from app.planner.model import BANDWIDTH_ONLY, PeerProfile, Plan, PlanningError, RoundCosts
 
 EPSILON = 1e-3  # weight of the groups' own round times next to the step time in the objective
 
@@ -90,6 +94,7 @@ def plan_step(
     *,
     min_share: Callable[[list[PeerProfile]], float | None] = lambda peers: None,
     hold_back: bool = False,
+    costs: RoundCosts = BANDWIDTH_ONLY,
 ) -> Plan:
     """Groups and shares that make one optimizer step as short as possible (see the module doc).
 
@@ -97,35 +102,48 @@ def plan_step(
     :param vector_bytes: size of the vector every sender contributes, bytes
     :param min_share: the floor share of every sender for a group's peers (``plan_averaging``'s ``min_share``)
     :param hold_back: model hivemind 1.1.12's hold-back of results for zero-share peers (planned groups stream)
+    :param costs: what a round costs besides bandwidth (``app.planner.lp``'s round model)
     :returns: the plan; ``predicted_seconds`` is the round (slowest group), ``step_seconds`` the whole step
     """
     peers = list(peers)
     _Swarm(peers, vector_bytes)  # the same checks as plan_averaging: ids, vector, someone who may aggregate
-    swarms = [_Swarm(group, vector_bytes) for group in partition_groups(peers, options.group_size)]
+    swarms = [_Swarm(group, vector_bytes, costs) for group in partition_groups(peers, options.group_size)]
     floors = [_floor_share(s, min_share(s.peers), hold_back) if s.n_senders else 0.0 for s in swarms]
     shares = _solve(swarms, floors, vector_bytes, options, hold_back)
     return _plan_of(swarms, shares, floors, options, hold_back)
 
 
 def plan_cost(peers: Iterable[PeerProfile], plan: Plan, vector_bytes: float, options: StepOptions,
-              *, hold_back: bool = False) -> float:
+              *, hold_back: bool = False, costs: RoundCosts = BANDWIDTH_ONLY) -> float:
     """Modelled seconds per step (per round where compute is unknown) of ``plan``'s groups and shares on ``peers``.
 
     Groups keep the plan's membership among the peers present; peers the plan does not name raise PlanningError.
     """
+    costed = _costed(peers, plan, vector_bytes, options, hold_back, costs)
+    return costed.step_seconds if costed.step_seconds is not None else costed.predicted_seconds
+
+
+def plan_round_seconds(peers: Iterable[PeerProfile], plan: Plan, vector_bytes: float, *, hold_back: bool = False,
+                       costs: RoundCosts = BANDWIDTH_ONLY) -> float:
+    """Modelled seconds of one averaging round (its slowest group's) of ``plan`` on ``peers``, as ``plan_cost``
+    takes them."""
+    return _costed(peers, plan, vector_bytes, StepOptions(target_batch_size=1), hold_back, costs).predicted_seconds
+
+
+def _costed(peers: Iterable[PeerProfile], plan: Plan, vector_bytes: float, options: StepOptions, hold_back: bool,
+            costs: RoundCosts) -> Plan:
     by_id = {p.peer: p for p in peers}
     named = plan.groups or (tuple(plan.shares),)
     groups = [[by_id[peer] for peer in group if peer in by_id] for group in named]
     if sum(map(len, groups)) != len(by_id):
         raise PlanningError("the plan does not name every peer present")
-    swarms = [_Swarm(group, vector_bytes) for group in groups if group]
+    swarms = [_Swarm(group, vector_bytes, costs) for group in groups if group]
     shares = []
     for swarm in swarms:
         vector = np.array([plan.shares.get(peer, 0.0) for peer in swarm.ids])
         total = vector[swarm.aggregates].sum()
         shares.append(vector / total if total > 0 else swarm.aggregates / swarm.aggregates.sum())
-    costed = _plan_of(swarms, shares, [0.0] * len(swarms), options, hold_back)
-    return costed.step_seconds if costed.step_seconds is not None else costed.predicted_seconds
+    return _plan_of(swarms, shares, [0.0] * len(swarms), options, hold_back)
 
 
 def _reduce_load(swarm: _Swarm) -> np.ndarray:
@@ -134,10 +152,12 @@ def _reduce_load(swarm: _Swarm) -> np.ndarray:
 
 
 def _lost_samples_per_share(swarm: _Swarm) -> np.ndarray:
-    """Samples each peer loses per unit of share it aggregates, when that overlaps its training."""
-    costs = np.array([p.reduce_costs_training for p in swarm.peers], dtype=bool)
+    """Samples each peer loses per unit of share it aggregates, when that overlaps its training: its compute times
+    the part of its reduce seconds that its training loses."""
+    costs = np.array([float(p.reduce_costs_training) for p in swarm.peers])
     compute = np.array([p.samples_per_second for p in swarm.peers])
-    return np.where(costs, compute * _reduce_load(swarm) * swarm.vector_bytes / swarm.reduce, 0.0)
+    seconds = np.where(np.isfinite(swarm.reduce), _reduce_load(swarm) * swarm.vector_bytes / swarm.reduce, 0.0)
+    return compute * costs * seconds
 
 
 def _solve(swarms: Sequence[_Swarm], floors: Sequence[float], vector_bytes: float, options: StepOptions,
@@ -160,7 +180,8 @@ def _solve(swarms: Sequence[_Swarm], floors: Sequence[float], vector_bytes: floa
         for k, seconds in enumerate(per_byte):
             rows = sparse.coo_matrix(sparse.diags(seconds / unit * (load if k < 2 else _reduce_load(swarm)[idx])))
             blocks.append((rows.row, offsets[g] + rows.col, rows.data, len(idx), n_shares + g))
-            b_ub.append(-(seconds / unit * base) if k < 2 else np.zeros(len(idx)))
+            # a round's fixed latency is under T_g too (the reducer's CPU runs within the round's time)
+            b_ub.append(-(seconds / unit * base + swarm.latency / unit) if k < 2 else np.zeros(len(idx)))
         lower.append(np.where(swarm.sends[idx], floor, 0.0))
     rows, cols, data, row = [], [], [], 0
     for r, c, d, count, group_column in blocks:

@@ -15,6 +15,7 @@ from sqlalchemy.orm import Session
 from app.core.clock import as_utc
 from app.core.errors import NotFound
 from app.models import Checkpoint, Run
+from app.runs import evaluations
 
 
 def checkpoints_dir(data_dir: Path | str, slug: str) -> Path:
@@ -66,3 +67,15 @@ def prune(session: Session, data_dir: Path | str, run: Run, keep: int) -> list[i
         gone.append(row.epoch)
         session.delete(row)
     return gone
+
+
+def store_archive(session: Session, data_dir: Path | str, run: Run, *, epoch: int, samples: int,
+                  eval_loss: Optional[float], sha256: str, size: int, file_name: str, final: bool,
+                  keep: int) -> list[int]:
+    """What the checkpointer does with an archive it wrote: its row, its evaluation (kept whatever pruning does
+    later), and pruning to the newest ``keep``; the epochs pruned. The caller commits."""
+    record(session, run, epoch=epoch, samples=samples, eval_loss=eval_loss, sha256=sha256, size=size,
+           file_name=file_name, final=final)
+    if eval_loss is not None:
+        evaluations.record_evaluation(session, run, epoch=epoch, samples=samples, eval_loss=eval_loss)
+    return prune(session, data_dir, run, keep)

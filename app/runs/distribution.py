@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 from app.core.errors import DedlocError, NotFound
 from app.core.resources import wheels_dir
@@ -44,14 +45,15 @@ def join_notebook(portal_url: str, slug: str, title: str) -> dict:
     GPU; the worker trains on it by itself (``--device auto``), and decides by itself whether the machine can be
     reached (these platforms accept no connections: it becomes a client, credited the same)."""
     def cell(kind: str, source: str) -> dict:
-        extra = {"execution_count": None, "outputs": []} if kind == "code" else {}
+        extra: dict[str, Any] = {"execution_count": None, "outputs": []} if kind == "code" else {}
         return {"cell_type": kind, "metadata": {}, "source": source, **extra}
 
     gpu_check = ("import shutil, subprocess\n"
                  "if shutil.which('nvidia-smi'):\n"
                  "    print(subprocess.run(['nvidia-smi', '-L'], capture_output=True, text=True).stdout)\n"
                  "else:\n"
-                 "    print('No GPU: the worker will train on the CPU, slowly. Colab: Runtime > Change runtime type > '\n"
+                 "    print('No GPU: the worker will train on the CPU, slowly. '\n"
+                 "          'Colab: Runtime > Change runtime type > '\n"
                  "          'GPU. Kaggle: Settings > Accelerator > GPU.')")
     return {
         "nbformat": 4,

@@ -11,7 +11,7 @@ import json
 import re
 import shutil
 from pathlib import Path
-from typing import Iterable, Iterator
+from typing import Any, Iterable, Iterator
 
 from dedloc_common import tasks as spec
 from dedloc_common.contract import RunFile
@@ -80,6 +80,7 @@ def texts(paths: Iterable[Path], column: str, label: str = "") -> Iterator[str]:
     for path in paths:
         suffix = Path(label or path).suffix.lower()
         with open(path, encoding="utf-8", errors="replace") as f:
+            rows: Iterable[Any]  # records: JSON values (checked below to be objects) or CSV rows
             if suffix in (".jsonl", ".json"):
                 rows = (json.loads(line) for line in f if line.strip())
             elif suffix == ".csv":
@@ -105,6 +106,7 @@ def train_tokenizer(paths: list[Path], labels: list[str], column: str, options: 
 
     wanted = spec.TrainedTokenizer.model_validate(options)
     special = sorted(set(spec.SPECIAL_TOKENS.values()), key=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"].index)
+    trainer: trainers.Trainer
     if wanted.kind == "unigram":
         tokenizer = Tokenizer(models.Unigram())
         trainer = trainers.UnigramTrainer(vocab_size=wanted.vocab_size, special_tokens=special, unk_token="[UNK]")
@@ -122,15 +124,15 @@ def train_tokenizer(paths: list[Path], labels: list[str], column: str, options: 
     return tokenizer.to_str().encode()
 
 
-def add_run_files(data_dir: Path | str, slug: str, task: str, options: dict, provided: dict[str, Path]) -> list[RunFile]:
+def add_run_files(data_dir: Path | str, slug: str, task: str, options: dict,
+                  provided: dict[str, Path]) -> list[RunFile]:
     """Store the uploaded files the options name, and train the tokenizer they ask for."""
     check_data(task, options, provided)
     stored = [store(data_dir, slug, name, path) for name, path in provided.items()]
     trained = (options.get("tokenizer") or {}).get("train")
     if task in spec.TEXT_TASKS and trained is not None:
         names = options["data"]["files"]
-        body = train_tokenizer([provided[n] for n in names], names, options["data"].get("text_column", "text"),
-                               trained)
+        body = train_tokenizer([provided[n] for n in names], names, options["data"].get("text_column", "text"), trained)
         scratch = files_dir(data_dir, slug) / (spec.TRAINED_TOKENIZER_FILE + ".new")
         scratch.write_bytes(body)
         stored.append(store(data_dir, slug, spec.TRAINED_TOKENIZER_FILE, scratch))

@@ -14,9 +14,9 @@ from pydantic import BaseModel, ConfigDict
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.identity.models import User
-from app.core.errors import NotFound
 from app.core.clock import as_utc
+from app.core.errors import NotFound
+from app.identity.models import User
 from app.models import AveragingPlan, Run
 from app.runs.fingerprints import fingerprint
 
@@ -51,8 +51,11 @@ class PlanPeer(BaseModel):
 
 class PublicPlan(BaseModel):
     """The run's current averaging plan, largest share first. Times are seconds of one all-reduce round:
-    ``predicted_seconds`` by the planner, ``lower_bound_seconds`` no plan can beat, ``measured_seconds`` the median
-    the peers reported (null until one did); ``vector_bytes`` the size of the averaged vector."""
+    ``predicted_seconds`` by the planner when it made the plan, ``fitted_seconds`` by the round model fitted since
+    from ``fitted_rounds`` measured rounds (``latency_seconds`` a round, ``part_seconds`` a part of the vector
+    beyond link time; all four null until a round was measured), ``lower_bound_seconds`` no plan can beat (by
+    bandwidth alone), ``measured_seconds`` the median of the rounds the peers reported under it (null until one
+    did); ``vector_bytes`` the size of the averaged vector."""
 
     model_config = ConfigDict(frozen=True)
 
@@ -61,6 +64,10 @@ class PublicPlan(BaseModel):
     predicted_seconds: float
     lower_bound_seconds: float
     measured_seconds: Optional[float]
+    fitted_seconds: Optional[float] = None
+    latency_seconds: Optional[float] = None
+    part_seconds: Optional[float] = None
+    fitted_rounds: Optional[int] = None
     reason: str
     created_at: UtcDateTime
 
@@ -91,7 +98,9 @@ def public_view(session: Session, row: AveragingPlan) -> PublicPlan:
     peers = sorted((plan_peer(peer, hidden) for peer in row.peers), key=lambda p: (-p.share, p.role, p.fingerprint))
     return PublicPlan(peers=peers, vector_bytes=row.vector_bytes, predicted_seconds=row.predicted_seconds,
                       lower_bound_seconds=row.lower_bound_seconds, measured_seconds=row.measured_seconds,
-                      reason=row.reason, created_at=as_utc(row.created_at))
+                      fitted_seconds=row.fitted_seconds, latency_seconds=row.latency_seconds,
+                      part_seconds=row.part_seconds, fitted_rounds=row.fitted_rounds, reason=row.reason,
+                      created_at=as_utc(row.created_at))
 
 
 def plan_peer(peer: dict[str, Any], hidden: set[str]) -> PlanPeer:

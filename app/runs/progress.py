@@ -6,6 +6,7 @@ from __future__ import annotations
 import statistics
 from typing import Optional
 
+from dedloc_common.contract import OptimizerOptions, outer_batch_of
 from pydantic import BaseModel, Field
 from sqlalchemy.orm import Session
 
@@ -21,6 +22,10 @@ class RunProgress(BaseModel):
     there is no target or no throughput to go by."""
 
     state: str
+    # large-batch: an epoch is an optimizer step on the averaged gradient; local-updates: an outer round
+    # (docs/training-algorithms.md), of outer_batch_size samples
+    algorithm: str = "large-batch"
+    outer_batch_size: Optional[int] = None
     epoch: int
     target_epochs: Optional[int]
     fraction_done: Optional[float] = Field(None, ge=0, le=1)
@@ -36,8 +41,11 @@ def run_progress(session: Session, run: Run) -> RunProgress:
     recent = [s for s in snapshots.history(session, run, RECENT_SNAPSHOTS) if s.samples_per_second > 0]
     latest = snapshots.latest_snapshot(session, run)
     epoch = latest.epoch if latest is not None else 0
-    progress = RunProgress(state=run.state or "active", epoch=epoch, target_epochs=run.target_epochs,
-                           **rounds_not_formed(session, run))
+    options = OptimizerOptions(**(run.optimizer or {}))
+    local = options.algorithm == "local-updates"
+    progress = RunProgress(state=run.state or "active", algorithm=options.algorithm,
+                           outer_batch_size=outer_batch_of(options, run.target_batch_size) if local else None,
+                           epoch=epoch, target_epochs=run.target_epochs, **rounds_not_formed(session, run))
     if run.target_epochs is None:
         return progress
     progress.fraction_done = min(epoch / run.target_epochs, 1.0)

@@ -11,8 +11,9 @@ from dedloc_common.tasks import TaskOptionError, validate_task
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from app.core.errors import Invalid, NotFound
 from app.core.clock import as_utc, utcnow
+from app.core.errors import Invalid, NotFound
+from app.credit.ceiling import DEFAULT_CEILING
 from app.models import Coordinator, Run
 
 SLUG = re.compile(r"^[a-z0-9][a-z0-9-]{0,62}$")
@@ -32,22 +33,23 @@ def create_run(
     task_options: Optional[dict[str, Any]] = None,
     optimizer: Optional[dict[str, Any]] = None,
     seed: int = 0,
-    samples_per_second_ceiling: float = 5000.0,
+    samples_per_second_ceiling: Optional[float] = None,
     target_epochs: Optional[int] = None,
     checkpoints: Optional[dict[str, Any]] = None,
     created_by: Optional[str] = None,
     commit: bool = True,
 ) -> Run:
     """Create a run; ``Invalid`` naming the option when the slug is malformed or taken, or an option is bad.
-    With ``commit=False`` the caller commits (after storing the run's files)."""
+    With ``commit=False`` the caller commits (after storing the run's files). ``samples_per_second_ceiling``: the
+    organizer's plausible samples per second per peer; None derives it from the swarm's rates (app.credit.ceiling)."""
     if not SLUG.match(slug):
         raise Invalid(f"slug {slug!r} must be lowercase letters, digits and dashes (at most 63)")
     if slug in RESERVED_SLUGS:
         raise Invalid(f"slug {slug!r} is the name of a portal page; choose another")
     if session.scalar(select(Run).where(Run.slug == slug)):
         raise Invalid(f"a run named {slug!r} already exists")
-    if samples_per_second_ceiling <= 0:
-        raise Invalid("samples_per_second_ceiling must be positive")
+    if samples_per_second_ceiling is not None and not 0 < samples_per_second_ceiling < float("inf"):
+        raise Invalid("samples_per_second_ceiling must be positive (or none: derived from the swarm's rates)")
     if target_batch_size < batch_size or batch_size < 1:
         raise Invalid("target_batch_size must be at least batch_size, and batch_size at least 1")
     title = _checked_title(title)
@@ -68,7 +70,8 @@ def create_run(
         target_batch_size=target_batch_size,
         batch_size=batch_size,
         seed=seed,
-        samples_per_second_ceiling=samples_per_second_ceiling,
+        samples_per_second_ceiling=samples_per_second_ceiling or DEFAULT_CEILING,
+        ceiling_from_organizer=samples_per_second_ceiling is not None,
         optimizer=_checked(OptimizerOptions, optimizer or {}, "optimizer"),
     )
     session.add(run)
@@ -138,6 +141,7 @@ def run_config(run: Run) -> RunConfig:
         optimizer=OptimizerOptions(**run.optimizer),
         target_epochs=run.target_epochs,
         state=run.state or "active",
+        # the organizer's, or the default until the signed plan carries the derived one (PlanRecord.ceiling)
         samples_per_second_ceiling=run.samples_per_second_ceiling,
     )
 

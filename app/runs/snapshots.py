@@ -41,6 +41,12 @@ def latest_snapshot(session: Session, run: Run) -> Optional[Snapshot]:
     return session.scalars(query.limit(1)).first()
 
 
+def first_taken_at(session: Session, run: Run) -> Optional[datetime]:
+    """When the run's oldest kept snapshot was taken (UTC), or None before the first."""
+    taken = session.scalar(select(func.min(Snapshot.taken_at)).where(Snapshot.run_id == run.id))
+    return None if taken is None else as_utc(taken)
+
+
 def history(session: Session, run: Run, limit: int, since: Optional[datetime] = None, step: int = 0
             ) -> list[Snapshot]:
     """The newest ``limit`` snapshots (after ``since`` if given), oldest first; with ``step`` (seconds), only the

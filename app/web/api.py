@@ -10,10 +10,9 @@ from fastapi import APIRouter, Path, Query, Request
 from fastapi.responses import FileResponse
 
 from app.credit import ledger, standings
-
-from app.runs import checkpoints, files, plans, registry, snapshots
-from app.runs.status import RunStatus, run_status
+from app.runs import checkpoints, evaluations, files, plans, registry, snapshots
 from app.runs.progress import RunProgress, run_progress
+from app.runs.status import RunStatus, run_status
 from app.web.deps import RunDep, SessionDep, SettingsDep
 from app.web.responses import BINARY, BUSY, UNKNOWN_RUN, error
 from app.web.schemas import RunOut, SwarmOut, UtcDateTimeIn
@@ -128,6 +127,13 @@ def list_checkpoints(run: RunDep, session: SessionDep, request: Request):
     """The run's stored checkpoints, newest first; ``url`` downloads one as a tar archive."""
     base = str(request.base_url).rstrip("/")
     return [checkpoints.describe(row, run.slug, base) for row in checkpoints.newest_first(session, run)]
+
+
+@router.get("/runs/{slug}/evaluations", response_model=list[evaluations.EvaluationOut], responses=UNKNOWN_RUN)
+def list_evaluations(run: RunDep, session: SessionDep):
+    """Every evaluation the checkpointer made (held-out loss by epoch), oldest first, including those whose
+    checkpoint archive was pruned since."""
+    return evaluations.series(session, run)
 
 
 @router.get("/runs/{slug}/checkpoints/{epoch}.tar", response_class=FileResponse,

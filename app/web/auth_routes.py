@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import ipaddress
 import secrets
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Any, Literal, Optional
 from urllib.parse import quote
 
 from dedloc_common.contract import API_PREFIX
@@ -18,16 +18,15 @@ from starlette.concurrency import run_in_threadpool
 from starlette.middleware.sessions import SessionMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.core.clock import as_utc, utcnow
+from app.core.config import Settings
 from app.identity import accounts, device, oidc
-from app.web.identity import ApiUser, BearerSecret, CsrfChecked, CurrentUser, OptionalUser, csrf_token
 from app.identity.device import DevicePolicy
 from app.identity.errors import DeviceGrantError, SignInRefused, SignInRequired, UserCodeRefused
 from app.identity.models import User
-from app.core.config import Settings
-from app.core.clock import as_utc, utcnow
 from app.web.deps import SessionDep, SettingsDep
-from app.web.responses import (BUSY, NEEDS_CREDENTIAL, RETRY_AFTER, VALIDATION_STATUS, DeviceGrantErrorOut,
-                               error)
+from app.web.identity import ApiUser, BearerSecret, CsrfChecked, CurrentUser, OptionalUser, csrf_token
+from app.web.responses import BUSY, NEEDS_CREDENTIAL, RETRY_AFTER, VALIDATION_STATUS, DeviceGrantErrorOut, error
 
 router = APIRouter()
 DEVICE_GRANT_TYPE = "urn:ietf:params:oauth:grant-type:device_code"
@@ -40,7 +39,8 @@ class SessionCookies:
     """Starlette's signed session cookie (HttpOnly, SameSite=lax), marked Secure on requests served over https."""
 
     def __init__(self, app: ASGIApp, secret_key: str, max_age: int = 14 * 24 * 3600):
-        options = dict(secret_key=secret_key, session_cookie="dedloc_session", max_age=max_age, same_site="lax")
+        options: dict[str, Any] = dict(secret_key=secret_key, session_cookie="dedloc_session", max_age=max_age,
+                                       same_site="lax")
         self.plain = SessionMiddleware(app, **options)
         self.secure = SessionMiddleware(app, https_only=True, **options)
 
@@ -200,7 +200,8 @@ class DeviceGrantRoute(APIRoute):
             except RequestValidationError as invalid:
                 problems = invalid.errors()
                 if any(p["loc"][-1:] == ("grant_type",) and p["type"] == "literal_error" for p in problems):
-                    raise DeviceGrantError("unsupported_grant_type", f"grant_type must be {DEVICE_GRANT_TYPE}")
+                    raise DeviceGrantError("unsupported_grant_type",
+                                           f"grant_type must be {DEVICE_GRANT_TYPE}") from None
                 reasons = "; ".join(f"{p['loc'][-1]}: {p['msg']}" for p in problems)
                 raise DeviceGrantError("invalid_request", reasons) from None
 
@@ -212,7 +213,8 @@ async def device_grant_refused(request: Request, exc: DeviceGrantError):
 
 
 @router.post(f"{API_PREFIX}/device/code", tags=["device login"], response_model=DeviceCodeOut,
-             responses={429: error("past the device logins one address may start in a minute", RETRY_AFTER),
+             responses={400: error("a body that cannot be read as a form (for example multipart without its boundary)"),
+                        429: error("past the device logins one address may start in a minute", RETRY_AFTER),
                         **BUSY})
 def device_code(request: Request, session: SessionDep, policy: Annotated[DevicePolicy, Depends(device_policy)],
                 client_name: Annotated[Optional[str], Form(max_length=200)] = None):

@@ -7,9 +7,9 @@ from typing import Annotated, Iterator
 from fastapi import Depends, Path, Request
 from sqlalchemy.orm import Session
 
-from app.runs import registry
 from app.core.config import Settings
 from app.models import Run
+from app.runs import registry
 
 
 def get_settings(request: Request) -> Settings:

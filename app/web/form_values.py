@@ -12,7 +12,7 @@ INT_MAX = 2**31 - 1  # the database's INTEGER: a larger number would fail there,
 
 def json_object(text: Optional[str], name: str) -> dict[str, Any]:
     """A JSON object typed into a textarea; empty means no options (the defaults)."""
-    if not (text or "").strip():
+    if text is None or not text.strip():
         return {}
     try:
         value = json.loads(text)

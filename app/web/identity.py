@@ -10,11 +10,11 @@ from typing import Annotated, Optional
 from fastapi import Depends, Form, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
-from app.web.deps import SessionDep, SettingsDep
 from app.identity import accounts
 from app.identity.accounts import is_organizer
 from app.identity.errors import FormRefused, SignInRequired, Unauthorized
 from app.identity.models import User
+from app.web.deps import SessionDep, SettingsDep
 
 __all__ = ["ApiUser", "BearerSecret", "CsrfChecked", "CurrentUser", "OptionalUser", "csrf_token", "is_organizer"]
 

@@ -7,8 +7,8 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from app.credit import volunteers
 from app.runs import distribution
-from app.web.identity import OptionalUser
 from app.web.deps import RunDep, SessionDep
+from app.web.identity import OptionalUser
 
 router = APIRouter(include_in_schema=False)
 

@@ -18,8 +18,8 @@ from fastapi.responses import Response
 from starlette.requests import ClientDisconnect
 
 from app.core.errors import DedlocError, TooLarge
-from app.web.identity import ApiUser
 from app.web.deps import RunDep, SessionDep
+from app.web.identity import ApiUser
 from app.web.responses import BINARY, BUSY, NEEDS_CREDENTIAL, UNKNOWN_RUN, error
 from app.web.schemas import ProbeReceipt
 

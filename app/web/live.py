@@ -20,11 +20,10 @@ from fastapi.templating import Jinja2Templates
 from sqlalchemy.orm import Session, sessionmaker
 from sse_starlette.sse import EventSourceResponse
 
-from app.credit import ledger
-
-from app.runs import plans, registry
 from app.core.config import Settings
 from app.core.errors import Unavailable
+from app.credit import ledger
+from app.runs import plans, registry
 from app.web.deps import RunDep
 from app.web.views import current_swarm
 

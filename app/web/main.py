@@ -8,23 +8,37 @@ from contextlib import asynccontextmanager
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from fastapi.routing import iter_route_contexts
 from fastapi.staticfiles import StaticFiles
 from fastapi.templating import Jinja2Templates
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
-from fastapi.routing import iter_route_contexts
+from starlette.responses import Response
 from starlette.routing import Mount, compile_path
 
 from app.core.config import Settings
 from app.core.database import make_engine, make_sessionmaker
-from app.core.resources import static_dir, templates_dir
 from app.core.errors import DedlocError
-from app.web.identity import csrf_token
+from app.core.resources import static_dir, templates_dir
+from app.core.secrets import secret_key
 from app.identity.errors import DeviceGrantError, SignInRequired
 from app.identity.oidc import make_oauth
-from app.core.secrets import secret_key
-from app.web import auth_routes
-from app.web import api, docs, join, link_probe, live, me, metrics, organize, pages, peer_tokens, run_forms, stats
+from app.web import (
+    api,
+    auth_routes,
+    docs,
+    join,
+    link_probe,
+    live,
+    me,
+    metrics,
+    organize,
+    pages,
+    peer_tokens,
+    run_forms,
+    stats,
+)
+from app.web.identity import csrf_token
 from app.web.responses import install_openapi
 
 
@@ -52,12 +66,13 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(auth_routes.SessionCookies, secret_key=secret_key(settings))
     app.state.oauth = make_oauth(settings)
     app.state.templates.env.globals["csrf_token"] = csrf_token
-    app.add_exception_handler(SignInRequired, auth_routes.sign_in_first)
-    app.add_exception_handler(DeviceGrantError, auth_routes.device_grant_refused)
+    # Starlette types a handler as taking any Exception, not the class it is registered for (starlette PR #2403)
+    app.add_exception_handler(SignInRequired, auth_routes.sign_in_first)  # type: ignore[arg-type]
+    app.add_exception_handler(DeviceGrantError, auth_routes.device_grant_refused)  # type: ignore[arg-type]
     app.include_router(auth_routes.router)
     # run_forms before pages: /runs/new is the form, not a run's dashboard
-    for router in (docs.router, api.router, peer_tokens.router, link_probe.router, live.router, metrics.router, join.router,
-                   organize.router, run_forms.router, me.router, stats.router, pages.router):
+    for router in (docs.router, api.router, peer_tokens.router, link_probe.router, live.router, metrics.router,
+                   join.router, organize.router, run_forms.router, me.router, stats.router, pages.router):
         app.include_router(router)
     app.add_api_route("/healthz", lambda: {"status": "ok"}, methods=["GET"], include_in_schema=False)
     add_error_handlers(app)
@@ -77,10 +92,11 @@ def allowed_methods(app: FastAPI, request: Request) -> list[str]:
         table = app.state.route_methods = []
         for context in iter_route_contexts(app.routes):
             route = context.original_route
+            route_path = context.path or ""
             if isinstance(route, Mount) and isinstance(route.app, StaticFiles):
-                table.append((re.compile(re.escape(context.path) + "/"), frozenset({"GET", "HEAD"})))
-            elif context.path and getattr(route, "methods", None):
-                table.append((compile_path(context.path)[0], frozenset(route.methods)))
+                table.append((re.compile(re.escape(route_path) + "/"), frozenset({"GET", "HEAD"})))
+            elif route_path and (route_methods := getattr(route, "methods", None)):
+                table.append((compile_path(route_path)[0], frozenset(route_methods)))
     path = request.scope.get("path", "")
     return sorted({method for pattern, methods in table if pattern.match(path) for method in methods})
 
@@ -88,7 +104,7 @@ def allowed_methods(app: FastAPI, request: Request) -> list[str]:
 def add_error_handlers(app: FastAPI) -> None:
     """One place maps errors to HTTP: JSON ``{"detail": reason}`` for the API, a page for browsers."""
 
-    def respond(request: Request, status: int, detail) -> object:
+    def respond(request: Request, status: int, detail) -> Response:
         if wants_html(request) and isinstance(detail, str):
             return app.state.templates.TemplateResponse(
                 request, "error.html", {"status": status, "detail": detail}, status_code=status
@@ -98,8 +114,9 @@ def add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(DedlocError)
     async def dedloc_error(request: Request, exc: DedlocError):
         response = respond(request, exc.status_code, str(exc))
-        if getattr(exc, "retry_after", None):
-            response.headers["Retry-After"] = str(int(exc.retry_after + 0.999))
+        retry_after = getattr(exc, "retry_after", None)
+        if retry_after:
+            response.headers["Retry-After"] = str(int(retry_after + 0.999))
         return response
 
     @app.exception_handler(PoolTimeout)

@@ -11,8 +11,8 @@ from fastapi.responses import HTMLResponse, RedirectResponse
 from app.core.errors import NotFound
 from app.credit import attestations, standings, volunteers
 from app.identity import accounts
-from app.web.identity import CsrfChecked, CurrentUser
 from app.web.deps import SessionDep, SettingsDep
+from app.web.identity import CsrfChecked, CurrentUser
 
 router = APIRouter(include_in_schema=False)
 

@@ -7,7 +7,6 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from prometheus_client.core import GaugeMetricFamily
 
 from app.credit import ledger
-
 from app.runs import registry
 from app.web.views import current_swarm
 

@@ -8,16 +8,15 @@ from typing import Annotated, Optional
 from fastapi import APIRouter, Depends, Form, Request
 from fastapi.responses import HTMLResponse, RedirectResponse
 
-from app.credit import review, spot_checks
-
 from app.authority import tokens
-from app.runs import registry
-from app.web.identity import CsrfChecked, CurrentUser
-from app.identity.models import User
 from app.core.errors import Forbidden, Invalid
+from app.credit import review, spot_checks
+from app.identity.models import User
 from app.models import Run
+from app.runs import registry
 from app.web.deps import RunDep, SessionDep, SettingsDep
 from app.web.form_values import json_object, pretty, whole
+from app.web.identity import CsrfChecked, CurrentUser
 
 router = APIRouter(include_in_schema=False)
 Username = Annotated[str, Form(min_length=1, max_length=100, pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")]
@@ -139,4 +138,11 @@ def unban(run: RunDep, user: Organizer, session: SessionDep, username: Username)
 def release(run: RunDep, user: Organizer, session: SessionDep, username: Username,
             epoch: Annotated[Optional[int], Form(ge=0, description="one epoch; empty: every held epoch")] = None):
     review.release_held(session, run=run, username=username, released_by=user.username, epoch=epoch)
+    return back(run)
+
+
+@router.post("/runs/{slug}/organize/lift", dependencies=[CsrfChecked])
+def lift(run: RunDep, user: Organizer, session: SessionDep, username: Username):
+    """End the hold spot checks put on an account: its claims are decided again as any other's."""
+    review.lift_holds(session, run, username, lifted_by=user.username)
     return back(run)

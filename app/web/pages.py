@@ -5,9 +5,9 @@ from __future__ import annotations
 from fastapi import APIRouter, Request
 from fastapi.responses import HTMLResponse
 
+from app.core.clock import as_utc
 from app.credit import attestations, ledger, standings
-
-from app.runs import checkpoints, plans, registry
+from app.runs import checkpoints, plans, registry, snapshots
 from app.runs.progress import run_progress
 from app.runs.status import run_status
 from app.web.deps import RunDep, SessionDep, SettingsDep
@@ -36,7 +36,9 @@ def dashboard(request: Request, run: RunDep, session: SessionDep, settings: Sett
                   checkpoints=saved, progress=run_progress(session, run),
                   status=run_status(session, run, settings.coordinator_timeout),
                   can_organize=registry.may_organize(session, settings, run, user),
-                  cuts=attestations.recent_cuts(session, run))
+                  cuts=attestations.recent_cuts(session, run),
+                  # the charts span the history from here: the run may have been created long before it trained
+                  history_from=snapshots.first_taken_at(session, run) or as_utc(run.created_at))
 
 
 @router.get("/runs/{slug}/leaderboard")

@@ -7,8 +7,8 @@ from dedloc_common.contract import API_PREFIX, PeerTokenGrant, PeerTokenRequest,
 from fastapi import APIRouter
 
 from app.authority import tokens
-from app.web.identity import ApiUser
 from app.web.deps import RunDep, SessionDep, SettingsDep
+from app.web.identity import ApiUser
 from app.web.responses import BUSY, NEEDS_CREDENTIAL, RETRY_AFTER, UNKNOWN_RUN, error
 
 router = APIRouter(prefix=API_PREFIX, tags=["api"], responses=BUSY)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
-from typing import BinaryIO, Optional
+from typing import TYPE_CHECKING, BinaryIO, Optional
 
 import anyio
 from fastapi import Request
@@ -13,6 +13,9 @@ from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from app.core.errors import Invalid, TooLarge
+
+if TYPE_CHECKING:  # python-multipart defines it for type checkers only
+    from python_multipart.multipart import MultipartCallbacks
 
 FIELD_BYTES = 1 << 20  # one text field (the JSON options are a few KiB)
 MAX_FIELDS, MAX_FILES = 50, 100
@@ -42,7 +45,7 @@ class _Parts:
         self.name, self.data, self.skipping = "", bytearray(), False
         self.out: Optional[BinaryIO] = None
 
-    def callbacks(self) -> dict:
+    def callbacks(self) -> MultipartCallbacks:
         return {"on_part_begin": self.begin, "on_header_field": self.header_field,
                 "on_header_value": self.header_value, "on_header_end": self.header_end,
                 "on_headers_finished": self.headers_finished, "on_part_data": self.part_data,

@@ -11,15 +11,15 @@ the HTTP models use pydantic v2 like the rest of the portal.
 from __future__ import annotations
 
 from datetime import datetime, timezone
-from typing import Annotated, Any, Dict, List, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Dict, List, Literal, Optional
 
 import pydantic.v1 as pydantic_v1
 from pydantic import AfterValidator, BaseModel, Field, PlainSerializer, model_validator
 
 API_PREFIX = "/api/v1"
 # How many past epochs the training loop hands to each metrics record. The worker's claim outbox
-# (dedloc_worker.claims) keeps more: every claim the coordinator has not acknowledged (two hours' worth at 1 s per
-# epoch), and the record carries the oldest of them, up to the caps below.
+# (dedloc_worker.credit.outbox) keeps more: every claim the coordinator has not acknowledged (two hours' worth at 1 s
+# per epoch), and the record carries the oldest of them, up to the caps below.
 RECENT_EPOCHS_KEPT = 32
 # At most this many unacknowledged claims, and this many bytes of them (JSON), ride in one metrics record: every
 # peer's record lives under one DHT key and the coordinator reads them all in one reply (hivemind's limit is 2 MiB).
@@ -70,6 +70,8 @@ def metrics_key(run_id: str) -> str:
 
 
 STATE_EVERY = 10  # OptimizerOptions.average_state_every by default; hivemind's is 1 (docs/hivemind.md#pitfalls, 12)
+# A local-updates run's outer batch by default, in target batch sizes (docs/training-algorithms.md).
+OUTER_BATCH_MULTIPLE = 32
 
 
 class OptimizerOptions(BaseModel):
@@ -111,6 +113,17 @@ class OptimizerOptions(BaseModel):
     # averaging the parameters too (hivemind's state averaging: a second matchmaking and all-reduce of the whole
     # model) is there to pull back a peer that stepped alone. Every this many steps.
     average_state_every: int = Field(STATE_EVERY, ge=1)
+    # The training algorithm (docs/training-algorithms.md). large-batch: every optimizer step averages the whole
+    # gradient of target_batch_size samples. local-updates (DiLoCo): each peer takes its own optimizer steps (the
+    # options above are the inner optimizer's) and the swarm averages pseudo-gradients (outer minus local
+    # parameters, weighted by samples) once it has trained outer_batch_size samples since the last outer round, then
+    # takes an outer Nesterov step (outer_lr, outer_momentum; DiLoCo's defaults) from the shared outer parameters.
+    algorithm: Literal["large-batch", "local-updates"] = "large-batch"
+    outer_batch_size: Optional[int] = Field(None, gt=0, description="local-updates: samples the swarm trains "
+                                            f"between outer rounds; none: {OUTER_BATCH_MULTIPLE} times the run's "
+                                            "target batch size")
+    outer_lr: float = Field(0.7, gt=0, allow_inf_nan=False)
+    outer_momentum: float = Field(0.9, ge=0, lt=1)
 
     @model_validator(mode="before")
     @classmethod
@@ -127,6 +140,11 @@ class OptimizerOptions(BaseModel):
             raise ValueError("delay_grad_averaging needs delay_optimizer_step (averaging in the background delays "
                              "the update): set both to false to turn delayed updates off")
         return self
+
+
+def outer_batch_of(options: OptimizerOptions, target_batch_size: int) -> int:
+    """Samples between two outer rounds of a local-updates run (its hivemind target batch size)."""
+    return options.outer_batch_size or OUTER_BATCH_MULTIPLE * target_batch_size
 
 
 # Loopback swarms (the demo, the tests): every peer on one machine, rounds form in well under a second.
@@ -195,38 +213,76 @@ class JoinInfo(BaseModel):
                                   "since when); None when it can")
 
 
+# The constrained types of the DHT records. pydantic v1 builds them with function calls, which mypy cannot read as
+# annotations; it sees their plain base types instead (as pydantic.v1.types does for its own StrictInt and the like).
+if TYPE_CHECKING:
+    StrictNonNegativeInt = int
+    StrictNonNegativeFloat = float
+    NonNegativeFloat = float
+    UnitFloat = float
+    PositiveFiniteFloat = float
+    ShortStr = str
+    GroupBits = str
+else:
+    StrictNonNegativeInt = pydantic_v1.conint(ge=0, strict=True)
+    StrictNonNegativeFloat = pydantic_v1.confloat(ge=0.0, strict=True)
+    NonNegativeFloat = pydantic_v1.confloat(ge=0.0)
+    UnitFloat = pydantic_v1.confloat(ge=0.0, le=1.0)
+    PositiveFiniteFloat = pydantic_v1.confloat(gt=0.0, lt=float("inf"))
+    ShortStr = pydantic_v1.constr(max_length=200)
+    GroupBits = pydantic_v1.constr(regex=r"^[01]{1,16}$")  # the bits of hivemind's group key
+
+
 class EpochContribution(pydantic_v1.BaseModel):
     """Samples one peer accumulated into one collaboration step (epoch)."""
 
-    epoch: pydantic_v1.conint(ge=0, strict=True)
-    samples: pydantic_v1.conint(ge=0, strict=True)
+    epoch: StrictNonNegativeInt
+    samples: StrictNonNegativeInt
     loss_sum: pydantic_v1.StrictFloat
-    mini_steps: pydantic_v1.conint(ge=0, strict=True)
-    seconds: pydantic_v1.confloat(ge=0.0, strict=True)
+    mini_steps: StrictNonNegativeInt
+    seconds: StrictNonNegativeFloat
     # The all-reduce round (hivemind group id, hex) this peer's samples went into; "" when unknown.
     group: pydantic_v1.StrictStr = ""
-    # Receipts: group -> PeerID -> weight of every sender whose gradient part this peer aggregated.
+    # Receipts: group -> PeerID -> the weight (samples) every sender's gradient parts carried into the average this
+    # peer aggregated: after the run's cap, times the share of its parts that came and were finite, 0 when they were
+    # all zeros (dedloc_worker.averaging.robust.Attestation.applied). Workers before that field: the weight of its first
+    # part.
     aggregated: Dict[pydantic_v1.StrictStr, Dict[pydantic_v1.StrictStr, float]] = {}
     # The PeerIDs of every member of ``group`` as hivemind formed it (this peer included); [] when unknown (a
     # worker before this field). The coordinator counts a receipt for this claim only from a listed member.
     members: List[pydantic_v1.StrictStr] = []
-    # A sketch of the gradient this peer accumulated in the epoch, for spot checks (dedloc_worker.spot_checks), as
-    # encode_sketch writes it; "" when its task cannot be checked (or a worker before this field).
+    # A sketch of the gradient this peer accumulated in the epoch, for spot checks (dedloc_worker.training.spot_checks),
+    # as encode_sketch writes it; "" when its task cannot be checked (or a worker before this field).
     sketch: pydantic_v1.StrictStr = ""
-    # Attestations: group -> PeerID -> what this peer, as an aggregator under robust aggregation, cut from that
-    # sender (only senders it cut): see Attestation.
+    # Attestations: group -> PeerID -> what this peer, as an aggregator, cut from that sender or missed of its parts
+    # (only senders whose receipt is less than their weight, or cut at all): see Attestation.
     attested: Dict[pydantic_v1.StrictStr, Dict[pydantic_v1.StrictStr, "Attestation"]] = {}
 
 
 class Attestation(pydantic_v1.BaseModel):
-    """How an aggregator treated one sender's parts in one round (dedloc_worker.robust)."""
+    """How an aggregator treated one sender's parts in one round (dedloc_worker.averaging.robust). The fields after
+    ``kept`` came later: a record without them reads as 0 (not said)."""
 
-    parts: pydantic_v1.conint(ge=0, strict=True)  # parts of the sender it aggregated
-    weight: pydantic_v1.confloat(ge=0.0)  # the weight (samples) the sender sent; 0 when it was not finite
-    used: pydantic_v1.confloat(ge=0.0)  # the weight after the ceiling's cap
-    dropped: pydantic_v1.conint(ge=0, strict=True)  # parts dropped as not finite
-    clipped: pydantic_v1.conint(ge=0, strict=True)  # parts whose offset from the centre CenteredClip cut
-    kept: pydantic_v1.confloat(ge=0.0, le=1.0)  # the smallest fraction of a clipped part's offset kept
+    parts: StrictNonNegativeInt  # parts of the sender it aggregated
+    weight: NonNegativeFloat  # the weight (samples) the sender sent; 0 when it was not finite
+    used: NonNegativeFloat  # the weight after the ceiling's cap
+    dropped: StrictNonNegativeInt  # parts dropped as not finite
+    clipped: StrictNonNegativeInt  # parts whose offset from the centre CenteredClip cut
+    kept: UnitFloat  # the smallest fraction of a clipped part's offset kept
+    expected: StrictNonNegativeInt = 0  # parts the sender was to send it (its share of the vector)
+    nonfinite: StrictNonNegativeInt = 0  # parts holding a NaN or an infinity (dropped or not)
+    zeros: StrictNonNegativeInt = 0  # finite parts that were all zeros
+    # Why the sender was left out of the round, its parts refused (dedloc_worker.averaging.announcements: a share its
+    # signed plan does not give it); None when it was not
+    left_out: Optional[ShortStr] = None
+
+    def dict(self, **kwargs) -> dict:
+        # without left_out where None: hivemind's SchemaValidator refuses a record that parsing changes, and the
+        # attestations of robust aggregation (and of workers before this field) never carry it
+        data = super().dict(**kwargs)
+        if data.get("left_out") is None:
+            data.pop("left_out", None)
+        return data
 
 
 EpochContribution.update_forward_refs(Attestation=Attestation)
@@ -241,30 +297,30 @@ class LinkReport(pydantic_v1.BaseModel):
     (``app.coordinator.planning.link_figures``). Fields are only ever added: older workers send their defaults.
     """
 
-    upload_bps: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
-    download_bps: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
+    upload_bps: StrictNonNegativeFloat = 0.0
+    download_bps: StrictNonNegativeFloat = 0.0
     client_mode: pydantic_v1.StrictBool = False  # accepts no incoming connections: never aggregates
     aux: pydantic_v1.StrictBool = False  # auxiliary peer: aggregates, trains nothing
-    vector_bytes: pydantic_v1.conint(ge=0, strict=True) = 0  # size of the averaged gradient vector
+    vector_bytes: StrictNonNegativeInt = 0  # size of the averaged gradient vector
     # This peer's last all-reduce (after matchmaking), seconds; 0 before the first. planned: the round used a plan.
-    round_seconds: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
+    round_seconds: StrictNonNegativeFloat = 0.0
     round_planned: pydantic_v1.StrictBool = False
     # When the portal measurement above was taken (unix seconds); 0: not said (a worker before this field).
-    measured_at: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
+    measured_at: StrictNonNegativeFloat = 0.0
     # What that last round moved over this peer's links: payload bytes of the tensor parts it sent and received
-    # (its own share never leaves it; dedloc_worker.averaging.Transfers), and when it ended (unix seconds); 0 before
-    # the first complete round.
-    round_sent_bytes: pydantic_v1.conint(ge=0, strict=True) = 0
-    round_received_bytes: pydantic_v1.conint(ge=0, strict=True) = 0
-    round_ended: pydantic_v1.confloat(ge=0.0, strict=True) = 0.0
+    # (its own share never leaves it; dedloc_worker.averaging.planned.Transfers), and when it ended (unix seconds); 0
+    # before the first complete round.
+    round_sent_bytes: StrictNonNegativeInt = 0
+    round_received_bytes: StrictNonNegativeInt = 0
+    round_ended: StrictNonNegativeFloat = 0.0
 
 
 class MetricsRecord(pydantic_v1.BaseModel):
     """A worker's signed metrics record; the DHT subkey is the worker's public key."""
 
     username: pydantic_v1.StrictStr
-    epoch: pydantic_v1.conint(ge=0, strict=True)
-    samples_per_second: pydantic_v1.confloat(ge=0.0, strict=True)
+    epoch: StrictNonNegativeInt
+    samples_per_second: StrictNonNegativeFloat
     time: pydantic_v1.StrictFloat
     recent: List[EpochContribution]
     # Where this peer accepts connections (empty for client-mode peers): a restarted coordinator bootstraps
@@ -329,12 +385,22 @@ def plan_key(run_id: str) -> str:
 class PlanRecord(pydantic_v1.BaseModel):
     """An averaging plan as published in the DHT. Shares are fractions of the vector by base58 PeerID."""
 
-    shares: Dict[pydantic_v1.StrictStr, pydantic_v1.confloat(ge=0.0)]
-    predicted_seconds: pydantic_v1.confloat(ge=0.0)
+    shares: Dict[pydantic_v1.StrictStr, NonNegativeFloat]
+    predicted_seconds: NonNegativeFloat
     issued_at: pydantic_v1.StrictFloat
     signature: pydantic_v1.StrictStr
     # Each peer's averaging group, as the bits of hivemind's group key (docs/averaging.md#groups); {}: one group.
-    groups: Dict[pydantic_v1.StrictStr, pydantic_v1.constr(regex=r"^[01]{1,16}$")] = {}
+    groups: Dict[pydantic_v1.StrictStr, GroupBits] = {}
+    # The run's samples-per-second ceiling in force (the organizer's, or derived from the swarm's confirmed rates):
+    # aggregators cap senders' weights with it (docs/averaging.md#ceiling). Signed on its own (``ceiling_payload``),
+    # so that the plan's own signature, and readers of plans from before the ceiling rode along, stay as they were.
+    ceiling: Optional[PositiveFiniteFloat] = None
+    ceiling_signature: pydantic_v1.StrictStr = ""
+
+
+def ceiling_payload(ceiling: float, issued_at: float) -> bytes:
+    """The bytes the authority signs for a plan's ceiling (samples/s), bound to the plan by its ``issued_at``."""
+    return f"ceiling {float(ceiling)!r} {float(issued_at)!r}".encode()
 
 
 def plan_payload(shares: Dict[str, float], predicted_seconds: float, issued_at: float,
@@ -366,7 +432,7 @@ class AckRecord(pydantic_v1.BaseModel):
     """Every claim of ``peer_key`` up to ``epoch`` is in the coordinator's database."""
 
     peer_key: pydantic_v1.StrictStr
-    epoch: pydantic_v1.conint(ge=0, strict=True)
+    epoch: StrictNonNegativeInt
     issued_at: pydantic_v1.StrictFloat
     signature: pydantic_v1.StrictStr
 

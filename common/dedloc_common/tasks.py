@@ -7,9 +7,9 @@ message names the option (``task_options.model.model_type: ...``).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Literal, Optional
+from typing import Annotated, Any, Dict, List, Literal, Optional
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, StringConstraints, ValidationError, model_validator
 
 from . import model_types
 
@@ -77,6 +77,18 @@ class TokenizerOptions(Strict):
         return self
 
 
+class AdapterOptions(Strict):
+    """LoRA (Hu et al. 2021, peft's ``LoraConfig``): the base stays frozen, only the adapter is trained, averaged,
+    credited and checkpointed (docs/tasks.md#adapters)."""
+
+    kind: Literal["lora"] = "lora"
+    rank: int = Field(8, ge=1, le=4096, description="r: the rank of each low-rank update")
+    alpha: float = Field(16.0, gt=0, allow_inf_nan=False, description="lora_alpha: updates are scaled by alpha/rank")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="lora_dropout")
+    target_modules: Optional[List[Annotated[str, StringConstraints(min_length=1, max_length=200)]]] = Field(
+        None, min_length=1, description="module names to adapt; none: peft's default for the model type")
+
+
 class ModelTaskOptions(Strict):
     """A Hugging Face model trained from scratch (seeded, identical on every peer) or from pretrained weights."""
 
@@ -88,6 +100,9 @@ class ModelTaskOptions(Strict):
     mlm_probability: float = Field(0.15, gt=0.0, lt=1.0, description="share of tokens masked (masked-lm)")
     image_size: int = Field(32, ge=8, le=4096, description="pixels per side (image-classification)")
     eval_samples: int = Field(256, ge=1, le=1_000_000, description="held-out samples behind an evaluation loss")
+    adapter: Optional[AdapterOptions] = Field(None, description="train a LoRA adapter on a frozen base")
+    gradient_checkpointing: bool = Field(False, description="recompute activations in the backward pass: less "
+                                         "memory for about a third more compute (transformers')")
 
 
 class TinyLmOptions(Strict):
@@ -135,7 +150,8 @@ def run_files(task: str, options: Dict[str, Any]) -> List[str]:
         return []
     data = options.get("data", {})
     trained = (options.get("tokenizer") or {}).get("train") is not None
-    return list(data.get("files", [])) + list(data.get("eval_files", [])) + ([TRAINED_TOKENIZER_FILE] if trained else [])
+    tokenizer = [TRAINED_TOKENIZER_FILE] if trained else []
+    return list(data.get("files", [])) + list(data.get("eval_files", [])) + tokenizer
 
 
 def _parse(model, options):

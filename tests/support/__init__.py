@@ -2,7 +2,7 @@
 
 - ``harness``: a real deployment on loopback (``Deployment``), ``free_port``, ``wait_for``, ``tagged_processes``.
 - ``oidc_provider``: a loopback OpenID Connect provider (``OidcProvider``) and ``LoopbackServer`` for ASGI apps.
-- ``portal``: a portal served on loopback for the sign-in tests (``Portal``), the worker's device login in a
+- ``portal.client``: a portal served on loopback for the sign-in tests (``Portal``), the worker's device login in a
   thread (``LoginThread``), the provider's client settings and ``form_token``.
 - ``browsers``: Debian's Chromium for the Playwright tests (``CHROMIUM``, ``needs_chromium``, ``launch_chromium``).
 - ``factories``: shared builders of database rows and peer tokens (credited contributions, the populated

@@ -21,14 +21,13 @@ from pathlib import Path
 from typing import Callable
 
 import httpx
+from dedloc_worker.session import CREDENTIAL_ENV
 from sqlalchemy import func, select
 
-from dedloc_worker.join import CREDENTIAL_ENV
-
 from app.core.database import make_engine, make_sessionmaker, one_session
-from app.models import Contribution
 from app.core.processes import kill_group, spawn, stop
 from app.core.processes import tagged_processes as processes_tagged
+from app.models import Contribution
 
 TAG = "DEDLOC_TEST_TAG"
 ROOT = Path(__file__).resolve().parents[2]  # the repository
@@ -311,6 +310,19 @@ class Deployment:
         finally:
             engine.dispose()
 
+    def plan_round_times(self) -> list[tuple]:
+        """(fitted, measured, bandwidth-only predicted) seconds per round of every stored plan, oldest first."""
+        from app.models import AveragingPlan
+
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                return [tuple(row) for row in session.execute(select(
+                    AveragingPlan.fitted_seconds, AveragingPlan.measured_seconds, AveragingPlan.predicted_seconds)
+                    .order_by(AveragingPlan.id))]
+        finally:
+            engine.dispose()
+
     def plans(self) -> list[list[dict]]:
         """The peers of every averaging plan the coordinators published, oldest first."""
         from app.models import AveragingPlan
@@ -319,6 +331,17 @@ class Deployment:
         try:
             with make_sessionmaker(engine)() as session:
                 return list(session.scalars(select(AveragingPlan.peers).order_by(AveragingPlan.id)))
+        finally:
+            engine.dispose()
+
+    def spot_checks(self) -> int:
+        """Spot-check rows (checks made and draws skipped) of every run."""
+        from app.models import SpotCheck
+
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                return session.scalar(select(func.count()).select_from(SpotCheck))
         finally:
             engine.dispose()
 

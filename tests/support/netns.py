@@ -14,7 +14,8 @@ import shutil
 import signal
 import subprocess
 
-SERVER, OPEN, ROUTER_WAN, HOME, HOME_GATEWAY = "10.231.0.254", "10.231.0.3", "10.231.0.2", "192.168.77.2", "192.168.77.1"
+SERVER, OPEN, ROUTER_WAN = "10.231.0.254", "10.231.0.3", "10.231.0.2"
+HOME, HOME_GATEWAY = "192.168.77.2", "192.168.77.1"
 
 MASQUERADE = """table ip nat {
   chain postrouting {

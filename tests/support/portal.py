@@ -9,7 +9,7 @@ import threading
 from typing import Optional
 
 import httpx
-from dedloc_worker.login import Credential, device_login
+from dedloc_worker.portal.login import Credential, device_login
 from fastapi import FastAPI
 from sqlalchemy import select
 

@@ -1,3 +1,3 @@
-from .cli import main
+from dedloc_worker.cli import main
 
 raise SystemExit(main())

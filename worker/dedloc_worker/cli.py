@@ -10,7 +10,7 @@ import sys
 import threading
 from pathlib import Path
 
-from .errors import WorkerError
+from dedloc_worker.errors import WorkerError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -61,9 +61,8 @@ def main(argv=None) -> int:
 
 
 def run_and_report(args, stop: threading.Event) -> int:
-    from .join import run_join
-
-    from .errors import RUN_FINISHED
+    from dedloc_worker.errors import RUN_FINISHED
+    from dedloc_worker.session import run_join
 
     result = run_join(args, stop)
     write_outputs(args, result)
@@ -76,7 +75,7 @@ def run_and_report(args, stop: threading.Event) -> int:
 
 
 def run_login(args, stop) -> int:
-    from .login import device_login, save_credential
+    from dedloc_worker.portal.login import device_login, save_credential
 
     credential = device_login(args.portal)
     path = save_credential(credential)
@@ -85,7 +84,7 @@ def run_login(args, stop) -> int:
 
 
 def run_logout(args, stop) -> int:
-    from .login import forget_credential, load_credential, revoke_on_portal
+    from dedloc_worker.portal.login import forget_credential, load_credential, revoke_on_portal
 
     credential = load_credential(args.portal)
     if credential is None:
@@ -111,6 +110,7 @@ def write_outputs(args, result) -> None:
             "peer_id": result.peer_id,
             "final_epoch": result.final_epoch,
             "contributions": [c.dict() for c in result.contributions],
+            "link": result.link.dict() if result.link is not None else None,
         }
         args.report.write_text(json.dumps(report, indent=1))
     if args.state_out:

@@ -5,7 +5,8 @@
     ├── PortalError        the portal is unreachable or refused the request (exit 3)
     ├── TrainingError      training stopped: a bad task, non-finite parameters (exit 4)
     ├── SwarmError         no peer of the run could be reached (exit 5)
-    └── AdmissionError     the run refused this worker: not signed in, banned, not allowlisted, limits (exit 6)
+    ├── AdmissionError     the run refused this worker: not signed in, banned, not allowlisted, limits (exit 6)
+    └── ResourceError      the run's model does not fit this machine's free memory (exit 8)
 
 A run that reached its target (or that its organizers ended) is no error: the worker leaves with exit code 7,
 ``RUN_FINISHED``, so scripts can tell "done" from "stopped".
@@ -36,6 +37,10 @@ class SwarmError(WorkerError):
 
 class AdmissionError(WorkerError):
     exit_code = 6
+
+
+class ResourceError(WorkerError):
+    exit_code = 8
 
 
 class RunFinished(WorkerError):

@@ -44,11 +44,11 @@ DEPRECATED_QUANTIZE = r"torch\.quantize_per_tensor"
 def peer_failure(error: BaseException | None) -> bool:
     """Whether an averaging round failed because of the network or the other peers (one left, stopped answering or
     sent too little in time), as opposed to a fault in this code, which keeps its traceback."""
+    import asyncio
+
     from hivemind.averaging.matchmaking import MatchmakingException
     from hivemind.averaging.partition import AllreduceException
     from hivemind.p2p import P2PDaemonError, P2PHandlerError
-
-    import asyncio
 
     # CancelledError: hivemind cut the round off at its averaging timeout (seen as a link went down mid-round)
     return isinstance(error, (TimeoutError, ConnectionError, EOFError, StopAsyncIteration, AllreduceException,

@@ -2,6 +2,7 @@
 
 - ``attacker.py``: a peer without a valid token trying every RPC on a victim (tests/test_attacks.py).
 - ``liar.py``: dedloc-worker patched to claim 100x its samples (tests/test_swarm.py).
+- ``share_liar.py``: dedloc-worker announcing a share of 1e9, then 0, in place of its planned one (tests/test_swarm.py).
 - ``witness.py``: dedloc-worker recording every gradient all-reduce it takes part in (tests/test_swarm.py).
 - ``flipper.py``: dedloc-worker sending sign-flipped gradients, sketched as sent (tests/test_spot_checks.py).
 - ``poisoner.py``: one peer of a four-peer averaging swarm, honest or poisoning (tests/test_robust_aggregation.py).
@@ -14,6 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 ATTACKER = HERE / "attacker.py"
 LIAR = HERE / "liar.py"
+SHARE_LIAR = HERE / "share_liar.py"
 WITNESS = HERE / "witness.py"
 FLIPPER = HERE / "flipper.py"
 POISONER = HERE / "poisoner.py"

@@ -20,8 +20,8 @@ import time
 from pathlib import Path
 
 import hivemind
-from dedloc_worker.identity import PeerIdentity
-from dedloc_worker.records import add_record_validators, publish_token, read_tokens
+from dedloc_worker.admission.identity import PeerIdentity
+from dedloc_worker.swarm.records import add_record_validators, publish_token, read_tokens
 from hivemind.dht.routing import DHTID
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
@@ -120,7 +120,7 @@ async def averaging_calls(dht, victim_id: PeerID, run_id: str) -> dict:
     async def parts():
         yield averaging_pb2.AveragingData(group_id=b"attack", code=averaging_pb2.PART_FOR_AVERAGING)
 
-    from dedloc_worker.averaging import PlannedGradientAverager
+    from dedloc_worker.averaging.planned import PlannedGradientAverager
 
     grad_averager = f"{run_id}_grad_averager::{PlannedGradientAverager.__name__}"  # the class names the handlers
     calls = {

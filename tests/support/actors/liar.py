@@ -11,7 +11,8 @@ both:    also averages with 100x its weight, so aggregators see (and confirm) th
 import runpy
 import sys
 
-from dedloc_worker import cli, trainer
+from dedloc_worker import cli
+from dedloc_worker.training import loop as trainer
 
 # far past the test's ceiling of 3x a solo worker's rate, however slow the shared cores make this one (at 30x,
 # a liar that got 4% of a core stayed under it)

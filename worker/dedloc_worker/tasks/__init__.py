@@ -1,8 +1,7 @@
 """What a run trains: the built-in tasks and plugins.
 
-A task has a ``model`` (``torch.nn.Module``) and ``batch_loss(batch_size) -> torch.Tensor``, the mean loss of
-``batch_size`` samples from the worker's own data stream. Built-in tasks also have ``to(device, amp)``,
-``evaluate()`` (held-out loss or None) and ``save(folder)`` (Hugging Face format). A run names a built-in task
+Every task is a ``Task``; the built-in ones also are ``Placeable``, ``Evaluated``, ``Saved`` and ``Reseedable``,
+which a plugin may be too (the worker asks with ``isinstance``). A run names a built-in task
 (``dedloc_common.tasks.BUILT_IN``) or a plugin by ``"module:attr"``, built as ``Task(options, seed)``.
 """
 
@@ -10,9 +9,50 @@ from __future__ import annotations
 
 import importlib
 from pathlib import Path
-from typing import Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional, Protocol, runtime_checkable
 
-from ..errors import ConfigError
+from dedloc_worker.errors import ConfigError
+
+if TYPE_CHECKING:
+    import torch
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What a run trains: ``model``, and the mean loss of ``batch_size`` samples from this worker's data stream."""
+
+    model: "torch.nn.Module"
+
+    def batch_loss(self, batch_size: int) -> "torch.Tensor": ...
+
+
+@runtime_checkable
+class Placeable(Protocol):
+    """A task that moves itself to a device, with mixed precision (``amp``: "float16", "bfloat16" or None)."""
+
+    def to(self, device: str, amp: Optional[str] = None) -> Any: ...
+
+
+@runtime_checkable
+class Evaluated(Protocol):
+    """A task with held-out data: ``evaluate()`` is its loss there (None: no held-out data)."""
+
+    def evaluate(self) -> Optional[float]: ...
+
+
+@runtime_checkable
+class Saved(Protocol):
+    """A task that saves its model in Hugging Face format (what checkpoints hold)."""
+
+    def save(self, folder: Path) -> None: ...
+
+
+@runtime_checkable
+class Reseedable(Protocol):
+    """A task that draws its batches from a seed it is given: what spot checks redraw. One whose data cannot be
+    redrawn this time (a stream) also says ``reseedable = False``."""
+
+    def reseed(self, seed: int) -> None: ...
 
 REGISTRY = {
     "tiny-lm": "dedloc_worker.tasks.tiny_lm:TinyLanguageModel",

@@ -3,7 +3,7 @@ and image classification. Options: ``dedloc_common.tasks``; what each means: doc
 
 Every peer builds the same initial model (the run's seed, or the same pretrained weights) and reads its own order
 of the data (``data_seed``, derived from its key); where the data are the run's files, ``reseed`` redraws an
-epoch's batches from a seed alone, for spot checks (dedloc_worker.spot_checks). The evaluation loss is
+epoch's batches from a seed alone, for spot checks (dedloc_worker.training.spot_checks). The evaluation loss is
 deterministic: the same held-out samples and, for masked LM, the same masks, so a checkpoint's recorded loss can be
 recomputed by anyone who downloads it.
 """
@@ -16,9 +16,9 @@ from pathlib import Path
 from typing import Dict, Iterator, List, Optional
 
 import torch
-
 from dedloc_common import tasks as spec
-from ..errors import ConfigError
+
+from dedloc_worker.errors import ConfigError
 
 EVAL_SEED = 0  # masks of the evaluation batches
 EVAL_BATCH = 16
@@ -41,6 +41,17 @@ class HFTask:
         self.device = torch.device("cpu")
         self.autocast: Optional[torch.dtype] = None
         self.model = self.build_model(seed)
+        if self.options.get("gradient_checkpointing"):
+            if not self.model.supports_gradient_checkpointing:
+                raise ConfigError(f"task_options.gradient_checkpointing: {type(self.model).__name__} does not "
+                                  "support it; leave it out")
+            # use_reentrant=False: gradients reach an adapter on a frozen base (the reentrant variant needs an input
+            # that requires grad)
+            self.model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        if self.options.get("adapter"):
+            from dedloc_worker.tasks.adapters import apply_adapter
+
+            self.model = apply_adapter(self.model, self.options["adapter"], seed)
 
     def to(self, device: str, amp: Optional[str] = None) -> "HFTask":
         self.device = torch.device(device)
@@ -94,8 +105,14 @@ class HFTask:
         return self._eval
 
     def save(self, folder: Path) -> None:
-        """Hugging Face format: config.json, model.safetensors and, for text, the tokenizer's files."""
-        self.model.save_pretrained(folder, safe_serialization=True)
+        """Hugging Face format: config.json, model.safetensors and, for text, the tokenizer's files; an adapter run's
+        adapter, with the merged model in ``merged/`` (``tasks.adapters.save_adapter``)."""
+        if self.options.get("adapter"):
+            from dedloc_worker.tasks.adapters import save_adapter
+
+            save_adapter(self.model, folder)
+        else:
+            self.model.save_pretrained(folder, safe_serialization=True)
         if getattr(self, "tokenizer", None) is not None:
             self.tokenizer.save_pretrained(folder)
 
@@ -185,7 +202,8 @@ class TextTask(HFTask):
             text = row[column]
             if not text or not text.strip():
                 continue
-            buffer += self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"] + ([sep] if sep is not None else [])
+            tokens = self.tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
+            buffer += tokens + ([sep] if sep is not None else [])
             while len(buffer) >= inner:
                 window, buffer = buffer[:inner], buffer[inner:]
                 yield ([cls] if cls is not None else []) + window + ([sep] if sep is not None else [])
@@ -209,8 +227,9 @@ class MaskedLM(TextTask):
         """Masks from ``seed``'s generator, or from the global RNG without one."""
         from transformers import DataCollatorForLanguageModeling
 
-        return DataCollatorForLanguageModeling(self.tokenizer, mlm_probability=self.options["mlm_probability"],
-                                               return_tensors="pt", seed=seed)
+        return DataCollatorForLanguageModeling(
+            self.tokenizer, mlm_probability=self.options["mlm_probability"], return_tensors="pt", seed=seed
+        )
 
     def collate(self, samples: List[List[int]], train: bool) -> dict:
         name = "_collator" if train else "_eval_collator"  # evaluation masks: the global RNG, as evaluate seeds it
@@ -260,8 +279,10 @@ class ImageClassification(HFTask):
 
         data, size = self.options["data"], self.options["image_size"]
         try:
-            pixels = [np.asarray(row[data["image_column"]].convert("RGB").resize((size, size)), dtype=np.float32)
-                      for row in rows]
+            pixels = [
+                np.asarray(row[data["image_column"]].convert("RGB").resize((size, size)), dtype=np.float32)
+                for row in rows
+            ]
             labels = [int(row[data["label_column"]]) for row in rows]
         except KeyError as e:
             raise ConfigError(f"task_options.data: the images have no column {e}") from None

@@ -7,9 +7,9 @@ something real offline. Bytes are tokens (vocabulary 256), so there is no tokeni
 from __future__ import annotations
 
 import math
+from pydoc_data.topics import topics
 
 import torch
-from pydoc_data.topics import topics
 from torch import nn
 
 
@@ -55,7 +55,8 @@ class TinyLanguageModel:
         self.generator.seed()  # each peer reads its own random windows
 
     def reseed(self, seed: int) -> None:
-        """The next windows come from ``seed`` alone: a spot check redraws a peer's epoch (dedloc_worker.spot_checks)."""
+        """The next windows come from ``seed`` alone: a spot check redraws a peer's epoch
+        (dedloc_worker.training.spot_checks)."""
         self.generator.manual_seed(seed)
 
     def batch_loss(self, batch_size: int) -> torch.Tensor:
@@ -79,7 +80,8 @@ class TinyLanguageModel:
 
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in self.model.state_dict().items()}, str(Path(folder) / "model.safetensors"))
+        tensors = {k: v.contiguous() for k, v in self.model.state_dict().items()}
+        save_file(tensors, str(Path(folder) / "model.safetensors"))
         (Path(folder) / "config.json").write_text(json.dumps({"task": "tiny-lm", **self.options}))
 
     @staticmethod

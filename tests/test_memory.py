@@ -1,0 +1,42 @@
+"""The memory a run's model needs before activations (``dedloc_worker.training.memory``), against the tensors a
+real optimizer step allocates, and the one line a worker gets where it cannot fit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dedloc_worker.errors import ResourceError
+from dedloc_worker.training.memory import GIB, MemoryNeed, check_fits, estimate
+
+
+def allocated(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_the_estimate_is_the_tensors_an_adamw_step_holds(frozen):
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 128), torch.nn.ReLU(), torch.nn.Linear(128, 8))
+    if frozen:  # as an adapter run's base
+        model[0].requires_grad_(False)
+    trained = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(trained)
+    model(torch.randn(4, 64)).sum().backward()
+    optimizer.step()
+    moments = [value for state in optimizer.state.values() for key, value in state.items() if key != "step"]
+    measured = allocated(model.parameters()) + allocated(p.grad for p in trained) + allocated(moments)
+    assert estimate(model.parameters(), trained, offload=False) == MemoryNeed(device=measured, host=0)
+    offloaded = estimate(model.parameters(), trained, offload=True)
+    assert offloaded.device == allocated(model.parameters()) + allocated(p.grad for p in trained)
+    assert offloaded.host == allocated(moments) + 2 * allocated(trained)  # + fp32 master copy and averaged grads
+
+
+def test_a_model_that_cannot_fit_is_one_line_that_says_what_would():
+    need = MemoryNeed(device=6 * GIB, host=GIB)
+    check_fits(need, "cuda", device_free=8 * GIB, host_free=4 * GIB)  # control: it fits
+    with pytest.raises(ResourceError) as refused:
+        check_fits(need, "cuda", device_free=4 * GIB, host_free=4 * GIB)
+    assert "\n" not in str(refused.value) and "needs 6.00 GiB on the GPU" in str(refused.value)
+    assert "--device cpu" in str(refused.value) and refused.value.exit_code == 8
+    with pytest.raises(ResourceError, match="needs 7.00 GiB of RAM"):
+        check_fits(need, "cpu", host_free=4 * GIB)

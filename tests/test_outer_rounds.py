@@ -1,0 +1,151 @@
+"""Outer rounds of local-updates training (``dedloc_worker.training.outer``): DiLoCo's Nesterov step on the
+sample-weighted mean of the peers' pseudo-gradients, the same outer parameters on every peer after a round, and a
+loader that gets the outer state, not a peer's drifting local one. Two real hivemind averagers on loopback."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import hivemind
+import pytest
+import torch
+from dedloc_worker.training.outer import OuterOptimizer, PseudoGradientAverager
+
+pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
+LR, MOMENTUM = 0.7, 0.9
+
+
+def nesterov(outer, deltas, momentum=None):
+    """DiLoCo's outer step written out: m = mu * m + g; outer -= lr * (g + mu * m)."""
+    momentum = torch.zeros_like(outer) if momentum is None else momentum
+    new_momentum = MOMENTUM * momentum + deltas
+    return outer - LR * (deltas + MOMENTUM * new_momentum), new_momentum
+
+
+def test_the_outer_step_is_nesterov_on_the_pseudo_gradient_and_restarts_the_local_parameters():
+    local = [torch.tensor([1.0, 2.0, 3.0])]
+    outer = OuterOptimizer(local, lr=LR, momentum=MOMENTUM)
+    expected, momentum = torch.tensor([1.0, 2.0, 3.0]), None
+    for moved in (torch.tensor([0.5, -1.0, 0.25]), torch.tensor([0.1, 0.2, -0.3])):
+        local[0].sub_(moved)  # inner steps moved the peer
+        assert torch.allclose(outer.pseudo_gradients(local)[0], moved)
+        outer.step(outer.pseudo_gradients(local), local)
+        expected, momentum = nesterov(expected, moved, momentum)
+        assert torch.allclose(outer.params[0], expected) and torch.equal(local[0], outer.params[0])
+    assert torch.allclose(outer.momentum_buffers()[0], momentum)
+
+
+def test_lr_1_without_momentum_is_plain_parameter_averaging():
+    local = [torch.tensor([4.0])]
+    outer = OuterOptimizer(local, lr=1.0, momentum=0.0)
+    outer.step([torch.tensor([1.5])], local)  # the swarm's mean moved 1.5 down
+    assert local[0].item() == 2.5
+
+
+@pytest.mark.parametrize("lr, momentum", [(0.0, 0.9), (-0.1, 0.9), (0.7, 1.0), (0.7, -0.1)])
+def test_bad_outer_options_are_refused(lr, momentum):
+    with pytest.raises(ValueError):
+        OuterOptimizer([torch.zeros(1)], lr=lr, momentum=momentum)
+
+
+@pytest.fixture(scope="module")
+def dhts():
+    first = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    others = [hivemind.DHT(initial_peers=[str(a) for a in first.get_visible_maddrs()],
+                           host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True) for _ in range(2)]
+    yield first, *others
+    for dht in [first, *others]:
+        dht.shutdown()
+    gc.collect()
+
+
+def averager(dht, start: float, sharing: bool = True) -> PseudoGradientAverager:
+    model = torch.nn.Linear(4, 2)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.fill_(start)
+    return PseudoGradientAverager(dht=dht, prefix="outer_test", params=model.parameters(),
+                                  optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), outer_lr=LR,
+                                  outer_momentum=MOMENTUM, allow_state_sharing=sharing, start=True,
+                                  target_group_size=2, min_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5)
+
+
+def test_an_outer_round_gives_both_peers_the_same_outer_step_on_the_sample_weighted_mean(dhts):
+    peers = [averager(dhts[0], 1.0), averager(dhts[1], 1.0)]
+    try:
+        moves, samples = (0.3, -0.6), (300, 100)  # a fast peer and a slow one
+        for peer, move, count in zip(peers, moves, samples):
+            with torch.no_grad():
+                for param in peer.main_parameters:
+                    param.sub_(move)
+            peer.samples = count
+        threads = [threading.Thread(target=peer.step, kwargs=dict(increment_epoch=True, averaging_round=True,
+                                                                  averaging_opts=dict(timeout=20)))
+                   for peer in peers]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(60)
+        weighted = (0.3 * 300 - 0.6 * 100) / 400  # 0.075, where the unweighted mean is -0.15
+        expected, _ = nesterov(torch.tensor(1.0), torch.tensor(weighted))
+        for peer in peers:
+            assert peer.rounds == 1 and peer.samples == 0
+            for param in peer.main_parameters:
+                assert torch.allclose(param, torch.full_like(param, expected.item()), atol=1e-6), param
+
+        # A joiner loads the outer state (parameters and momentum), not a local one that drifted since
+        with torch.no_grad():
+            for param in peers[0].main_parameters:
+                param.add_(5.0)
+        joiner = averager(dhts[2], 0.0, sharing=False)
+        try:
+            assert joiner.load_state_from_peers(timeout=20)
+            for mine, theirs in zip(joiner.main_parameters, peers[1].outer.params):
+                assert torch.allclose(mine, theirs)
+            for mine, theirs in zip(joiner.outer.momentum_buffers(), peers[1].outer.momentum_buffers()):
+                assert torch.allclose(mine, theirs) and theirs.abs().sum() > 0
+        finally:
+            joiner.shutdown()
+    finally:
+        for peer in peers:
+            peer.shutdown()
+
+
+def test_a_round_that_fails_leaves_the_outer_parameters_and_says_so(dhts):
+    """hivemind applies a state round's buffers after a failed round too: they hold this peer's own pseudo-gradient,
+    which would move it alone. The outer parameters stay, the local ones too, and ``missed`` tells the optimizer to
+    take the swarm's next outer state (``training.local_updates``)."""
+    alone = averager(dhts[0], 1.0)
+    try:
+        with torch.no_grad():
+            for param in alone.main_parameters:
+                param.sub_(0.5)
+        alone.samples = 64
+        alone.step(increment_epoch=True, averaging_round=True, averaging_opts=dict(timeout=3))  # nobody to meet
+        assert (alone.rounds, alone.missed, alone.missed_rounds) == (0, True, 1)
+        assert all(torch.equal(p, torch.ones_like(p)) for p in alone.outer.params)
+        assert all(torch.equal(p, torch.full_like(p, 0.5)) for p in alone.main_parameters)
+    finally:
+        alone.shutdown()
+
+
+def test_a_checkpoint_resumes_the_outer_parameters_and_momentum(dhts):
+    from types import SimpleNamespace
+
+    from dedloc_worker.errors import ConfigError
+    from dedloc_worker.training.options import restore
+
+    resumed = averager(dhts[1], 0.0, sharing=False)
+    try:
+        params = [torch.full_like(p, 2.0) for p in resumed.main_parameters]
+        momentum = [torch.full_like(p, 0.25) for p in resumed.main_parameters]
+        state = {"epoch": 12, "parameters": params, "outer": {"momentum": momentum, "rounds": 4}}
+        restore(SimpleNamespace(state_averager=resumed), state)
+        assert (resumed.local_epoch, resumed.rounds) == (12, 4)
+        assert all(torch.equal(a, b) for a, b in zip(resumed.outer.momentum_buffers(), momentum))
+        assert all(torch.equal(a, b) for a, b in zip(resumed.main_parameters, params))
+        with pytest.raises(ConfigError, match="no outer optimizer state"):
+            restore(SimpleNamespace(state_averager=resumed), {"epoch": 1, "parameters": params})
+    finally:
+        resumed.shutdown()

@@ -1,0 +1,1 @@
+"""What this peer is credited for: receipts of the parts it aggregated, the outbox of its claims."""

@@ -1,0 +1,1 @@
+"""How a worker trains: the loop, its progress records, the device, checkpoints, spot checks, outer rounds."""

@@ -1,0 +1,91 @@
+"""The local-updates training algorithm (DiLoCo) as a collaborative optimizer (docs/training-algorithms.md).
+
+hivemind's ``Optimizer`` with ``use_local_updates``: every mini-step is an optimizer step of this peer's own (the run's
+optimizer options are the inner optimizer's), the swarm's epoch advances when the peers' samples since the last one
+reach the run's outer batch, and each epoch is an outer round of the state averager, here a
+``training.outer.OuterAverager``: pseudo-gradients averaged by the plan with receipts, the outer Nesterov step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from hivemind.utils import get_logger
+
+from dedloc_worker.training.optimizer import AccountedOptimizer, FinishedEpoch
+from dedloc_worker.training.outer import OuterAverager
+
+logger = get_logger(__name__)
+
+
+class LocalUpdatesOptimizer(AccountedOptimizer):
+    """``AccountedOptimizer`` for local updates.
+
+    :param outer_averager_opts: ``OuterAverager``'s own arguments (outer learning rate and momentum, the plan's
+      authority, the robust rule, the receipts' ``attest``)
+
+    A finished epoch claims the samples its outer round averaged in (0 when the round failed here: those samples
+    are lost with the local parameters, as a failed round costs a large-batch peer its group's gradients). After a
+    failed round the peer takes the newest outer state from the peers that averaged, so that its pseudo-gradients
+    start again from the outer parameters everyone else holds.
+    """
+
+    def __init__(self, *args: Any, outer_averager_opts: dict, **kwargs: Any):
+        self._outer_averager_opts = outer_averager_opts
+        kwargs.update(use_local_updates=True, grad_averager_factory=None, delay_grad_averaging=False,
+                      delay_optimizer_step=False, delay_state_averaging=False, offload_optimizer=False,
+                      average_state_every=1)
+        super().__init__(*args, **kwargs)
+
+    def _make_state_averager(self, **kwargs: Any) -> OuterAverager:
+        kwargs.pop("delta_rule_averaging", None)  # the outer averager applies results its own way
+        return OuterAverager(
+            dht=self.dht,
+            prefix=f"{self.run_id}_state_averager",
+            min_matchmaking_time=self.matchmaking_time,
+            allreduce_timeout=self.allreduce_timeout,
+            shutdown_timeout=self.shutdown_timeout,
+            custom_gradients=False,
+            status_loglevel=self.status_loglevel,
+            next_chunk_timeout=self.next_chunk_timeout,
+            client_mode=self.client_mode,
+            auxiliary=self.auxiliary,
+            start=True,
+            **self._outer_averager_opts,
+            **kwargs,
+        )
+
+    @property
+    def averager(self) -> OuterAverager:
+        """The averager the coordinator's plan applies to: the outer one."""
+        return self.state_averager
+
+    def step(self, *args: Any, batch_size: Any = None, **kwargs: Any):
+        if not self.auxiliary:
+            self.state_averager.samples += batch_size if batch_size is not None else self.batch_size_per_step
+        return super().step(*args, batch_size=batch_size, **kwargs)
+
+    def _update_global_epoch(self, grad_scaler) -> None:
+        averager = self.state_averager
+        rounds = averager.rounds
+        super(AccountedOptimizer, self)._update_global_epoch(grad_scaler)
+        applied = averager.rounds > rounds
+        weight = int(averager.last_weight) if applied else 0
+        self.finished_epochs.append(FinishedEpoch(self.local_epoch - 1, weight))
+        self._take_receipts()  # outer rounds run in the foreground: this one is over
+        if not self.client_mode:  # the freshest outer state is the one with the most rounds applied
+            averager.state_sharing_priority = averager.rounds + self.local_epoch * 1e-9
+        if applied:
+            print(f"outer round {self.local_epoch - 1}: averaged this peer's {weight:,} samples", flush=True)
+        elif averager.missed and self.tracker.global_progress.num_peers > 1:
+            averager.missed = False
+            print(f"outer round {self.local_epoch - 1} failed here; taking the newest outer state from the swarm",
+                  flush=True)
+            self.load_state_from_peers()
+
+    def load_state_from_peers(self, **kwargs: Any) -> None:
+        loads = self.state_averager.loads
+        super().load_state_from_peers(**kwargs)
+        if self.state_averager.loads > loads:
+            print(f"took the swarm's outer state: epoch {self.local_epoch}, {self.state_averager.rounds} outer "
+                  "rounds", flush=True)

@@ -1,0 +1,212 @@
+"""Outer rounds of local-updates training (DiLoCo, Douillard et al. 2023, arXiv 2311.08105).
+
+Each peer takes inner optimizer steps on its own data from the shared *outer* parameters. At an outer round the
+peers average their pseudo-gradients (outer parameters minus their local ones), weighted by the samples each trained
+since the last round, and every peer applies the same outer step (SGD with Nesterov momentum) to the same outer
+parameters, then trains on from them.
+
+``PseudoGradientAverager`` does this inside hivemind's ``TrainingStateAverager``: the state round averages the
+pseudo-gradient in place of the parameters (so the run's compression and robust reduction apply to the small
+deltas, not to the weights), the averaged result goes through ``OuterOptimizer``, and a peer that loads state gets
+the outer parameters and the outer momentum, never another peer's drifting local ones.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any, Iterable, Optional, Sequence
+
+import torch
+from hivemind.optim.state_averager import TrainingStateAverager
+from hivemind.utils import get_logger
+
+from dedloc_worker.averaging.planned import PlannedAverager
+from dedloc_worker.swarm.leaving import RemembersRounds
+
+logger = get_logger(__name__)
+
+OUTER_LR = 0.7  # DiLoCo's outer learning rate and Nesterov momentum (section 3 of the paper)
+OUTER_MOMENTUM = 0.9
+
+
+class OuterOptimizer:
+    """Nesterov SGD over a copy of the parameters that only outer rounds move.
+
+    :param params: the model's parameters; their values now are the first outer parameters
+    :param lr: outer learning rate (1.0 without momentum is plain parameter averaging)
+    :param momentum: Nesterov momentum
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor], lr: float = OUTER_LR, momentum: float = OUTER_MOMENTUM):
+        if not lr > 0:
+            raise ValueError(f"the outer learning rate must be positive, got {lr}")
+        if not 0 <= momentum < 1:
+            raise ValueError(f"the outer momentum must be in [0, 1), got {momentum}")
+        self.params = [p.detach().to("cpu", torch.float32, copy=True) for p in params]
+        # torch's SGD with nesterov=True is the outer step DiLoCo uses, with the pseudo-gradient as the gradient
+        self.optimizer = torch.optim.SGD(self.params, lr=lr, momentum=momentum, nesterov=momentum > 0)
+
+    @torch.no_grad()
+    def pseudo_gradients(self, local: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Outer parameters minus ``local`` ones: where this peer's inner steps moved since the last round, negated."""
+        return [outer - p.detach().to("cpu", torch.float32) for outer, p in zip(self.params, local)]
+
+    @torch.no_grad()
+    def step(self, averaged: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> None:
+        """Apply the swarm's averaged pseudo-gradient to the outer parameters and restart ``local`` from them."""
+        for outer, delta in zip(self.params, averaged):
+            outer.grad = delta.to(torch.float32).clone()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.restart(local)
+
+    @torch.no_grad()
+    def restart(self, local: Sequence[torch.Tensor]) -> None:
+        """Set ``local`` parameters to the outer ones (a round that failed here, or a state just loaded)."""
+        for p, outer in zip(local, self.params):
+            p.copy_(outer.to(p.device, p.dtype))
+
+    def momentum_buffers(self) -> list[torch.Tensor]:
+        """The outer optimizer's momentum, one tensor per parameter (zeros before the first round)."""
+        return [self.optimizer.state.get(p, {}).get("momentum_buffer", torch.zeros_like(p)) for p in self.params]
+
+    @torch.no_grad()
+    def load(self, params: Sequence[torch.Tensor], momentum: Sequence[torch.Tensor]) -> None:
+        """Take another peer's (or a checkpoint's) outer parameters and momentum."""
+        if len(params) != len(self.params) or len(momentum) != len(self.params):
+            raise ValueError("the outer state names other parameters than this model's")
+        for mine, theirs, buffer in zip(self.params, params, momentum):
+            mine.copy_(theirs)
+            self.optimizer.state[mine]["momentum_buffer"] = buffer.to(torch.float32).clone()
+
+
+class PseudoGradientAverager(TrainingStateAverager):
+    """hivemind's state averager whose rounds are DiLoCo's outer rounds (see the module doc).
+
+    Same arguments as ``TrainingStateAverager`` (``offload_optimizer`` and ``reuse_tensors`` off: the averaged
+    tensors are buffers of their own), and:
+
+    :param outer_lr: outer learning rate
+    :param outer_momentum: outer Nesterov momentum
+    :ivar samples: samples this peer trained since the last outer round: its weight in the next one (the caller adds
+      to it; a round, failed or not, starts it again from 0)
+    :ivar rounds: outer rounds this peer applied
+    :ivar missed: the last round failed here (``missed_rounds``: how many did)
+    """
+
+    def __init__(self, *, outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM, **kwargs: Any):
+        kwargs.update(offload_optimizer=False, reuse_tensors=False, delta_rule_averaging=False)
+        # The outer state is served from a thread of this process while the training thread may be stepping it:
+        # a download must see one round's parameters and momentum, not half of the next
+        self.outer_lock = threading.Lock()
+        if kwargs.get("average_opt_statistics") or kwargs.get("extra_tensors"):
+            raise ValueError("outer rounds average the pseudo-gradient only")
+        super().__init__(**kwargs)
+        self.outer = OuterOptimizer(self.main_parameters, lr=outer_lr, momentum=outer_momentum)
+        self.samples = 0
+        self.rounds = 0
+        self.missed_rounds = 0
+        self.loads = 0  # outer states loaded from peers
+        self.missed = False  # the last round failed here: this peer's outer parameters are behind its peers'
+        self._round_weight: Optional[float] = None
+        self._round_control: Any = None
+
+    @property
+    def last_weight(self) -> float:
+        """The weight (samples) this peer's last round was joined with."""
+        return self._round_weight or 0.0
+
+    def step(self, *args: Any, averaging_round: bool = False, averaging_opts: Optional[dict] = None,
+             averaging_control: Any = None, **kwargs: Any):
+        if averaging_round:
+            # Weighted by samples, so a fast GPU's phase counts for what it computed. hivemind passes the weight of a
+            # round it made itself only: a round scheduled ahead gets it on its control. The control is kept, so that
+            # ``_apply_averaging_results_`` can tell a round that averaged from one that failed.
+            weight = float(max(self.samples, 0))
+            if averaging_control is not None and (averaging_control.triggered or averaging_control.done()):
+                averaging_control = None  # a matchmaking that failed: hivemind would make a new round, so do we
+            if averaging_control is None:
+                opts = dict(averaging_opts or {})
+                # past TrainingStateAverager's step, as its own round-making does (a planned averager announces)
+                averaging_control = super(TrainingStateAverager, self).step(
+                    gather=self.local_epoch, require_trigger=True, wait=False, weight=weight,
+                    timeout=opts.pop("timeout", None), **{k: v for k, v in opts.items() if k != "weight"})
+            else:
+                averaging_control.weight = weight
+            averaging_opts = None  # the control is made: hivemind would warn of options it no longer uses
+            self._round_control, self._round_weight, self.samples = averaging_control, weight, 0
+        return super().step(*args, averaging_round=averaging_round, averaging_opts=averaging_opts,
+                            averaging_control=averaging_control, **kwargs)
+
+    @torch.no_grad()
+    def _load_local_tensors_into_averager_(self) -> None:
+        with self.get_tensors() as averaged:
+            for buffer, delta in zip(averaged, self.outer.pseudo_gradients(self.main_parameters)):
+                buffer.copy_(delta)
+
+    @torch.no_grad()
+    def _apply_averaging_results_(self) -> None:
+        control, self._round_control = self._round_control, None
+        if control is None or not control.done() or control.cancelled() or control.exception() is not None:
+            # hivemind calls this after a failed round too, its buffers holding this peer's own pseudo-gradient:
+            # the outer parameters stay, and the caller takes the next outer state from the peers that averaged
+            self.missed_rounds += 1
+            self.missed = True
+            return
+        with self.get_tensors() as averaged, self.outer_lock:
+            self.outer.step([tensor.clone() for tensor in averaged], self.main_parameters)
+            self.rounds += 1
+        self.missed = False
+
+    def get_current_state(self):
+        """The outer state, as ``TrainingStateAverager.get_current_state`` lays a state out: outer parameters, then
+        the outer momentum as extra tensors (the inner optimizer's statistics are each peer's own)."""
+        with self.outer_lock:
+            metadata, tensors, infos = super().get_current_state()
+            rounds = self.rounds
+            outer_tensors = [p.clone() for p in self.outer.params] + [m.clone() for m in self.outer.momentum_buffers()]
+        count = len(self.outer.params)
+        outer_infos = list(infos[:count]) + [type(info).from_tensor(m, key=f"outer_momentum.{i}", role=info.role)
+                                            for i, (m, info) in enumerate(zip(outer_tensors[count:], infos[:count]))]
+        metadata = dict(metadata, outer_rounds=rounds, optimizer_metadata=None)
+        return metadata, outer_tensors, outer_infos
+
+    def load_state_from_peers(self, **kwargs: Any):
+        """Take the newest outer state a peer serves and restart the local parameters from it."""
+        from hivemind.averaging import DecentralizedAverager
+
+        loaded = DecentralizedAverager.load_state_from_peers(self, **kwargs)
+        if loaded is None:
+            return None
+        metadata, tensors = loaded
+        count = len(self.outer.params)
+        if not isinstance(metadata.get("epoch"), int) or metadata["epoch"] < self.local_epoch:
+            logger.warning("not loading an outer state older than this peer's")
+            return None
+        if len(tensors) != 2 * count:
+            logger.warning(f"not loading an outer state of {len(tensors)} tensors; this model has {count} parameters")
+            return None
+        with self.outer_lock:
+            self.outer.load(tensors[:count], tensors[count:])
+            self.outer.restart(self.main_parameters)
+        self.rounds, self.samples, self.missed = int(metadata.get("outer_rounds", self.rounds)), 0, False
+        self.loads += 1
+        self.local_epoch = metadata["epoch"]
+        self._update_scheduler()
+        return True
+
+
+class OuterAverager(PseudoGradientAverager, PlannedAverager, RemembersRounds):
+    """The outer rounds of a local-updates run, as a gradient round runs in a large-batch one: the coordinator's
+    plan splits the pseudo-gradient vector (``set_plan``), members check each other's announced shares, each
+    aggregator averages its part with the run's robust rule (CenteredClip on pseudo-gradients) and notes what every
+    sender's part carried in (``attest``: the receipts the coordinator credits the inner samples from).
+
+    Same arguments as ``PseudoGradientAverager`` and ``averaging.planned.PlannedAverager``. Its RPC handlers carry
+    hivemind's ``TrainingStateAverager`` names, so the checkpointer and joining peers download the outer state from it
+    as from any state averager.
+    """
+
+    @classmethod
+    def _get_handle_name(cls, namespace, method_name: str) -> str:
+        return TrainingStateAverager._get_handle_name(namespace, method_name)
