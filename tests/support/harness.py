@@ -298,6 +298,18 @@ class Deployment:
         finally:
             engine.dispose()
 
+    def held_rows(self) -> list[tuple[str, int, int, str]]:
+        """(username, epoch, held samples, reason) of every claim with anything held, by epoch."""
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                rows = session.execute(select(Contribution.username, Contribution.epoch, Contribution.held,
+                                              Contribution.reason).where(Contribution.held > 0)
+                                       .order_by(Contribution.epoch))
+                return [(username, epoch, held, reason or "") for username, epoch, held, reason in rows]
+        finally:
+            engine.dispose()
+
     def held_reasons(self) -> dict[str, list[str]]:
         engine = make_engine(self.database_url)
         try:
@@ -342,6 +354,16 @@ class Deployment:
         try:
             with make_sessionmaker(engine)() as session:
                 return session.scalar(select(func.count()).select_from(SpotCheck))
+        finally:
+            engine.dispose()
+
+    def samples_by_epoch(self) -> dict[int, int]:
+        """epoch -> samples every peer claimed for it, as the portal recorded the claims."""
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                query = select(Contribution.epoch, func.sum(Contribution.samples)).group_by(Contribution.epoch)
+                return {int(epoch): int(samples) for epoch, samples in session.execute(query)}
         finally:
             engine.dispose()
 

@@ -67,25 +67,47 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
 
     def _update_global_epoch(self, grad_scaler) -> None:
         averager = self.state_averager
-        rounds = averager.rounds
+        rounds, attempts = averager.rounds, averager.attempts
+        behind = self.local_epoch < self.tracker.global_epoch  # a peer moved the swarm on before this one
         super(AccountedOptimizer, self)._update_global_epoch(grad_scaler)
+        # hivemind makes no round when it sees no other peer in the swarm's epoch. The peer that moved the epoch on
+        # steps alone; one behind it (which sees only that peer, already an epoch ahead) takes its outer state:
+        # stepping alone too would leave the two on different outer parameters for good
+        alone = averager.attempts == attempts and not self.auxiliary
+        if alone and behind:
+            averager.missed = True
+        elif alone:
+            averager.step_alone()
         applied = averager.rounds > rounds
         weight = int(averager.last_weight) if applied else 0
         self.finished_epochs.append(FinishedEpoch(self.local_epoch - 1, weight))
         self._take_receipts()  # outer rounds run in the foreground: this one is over
-        if not self.client_mode:  # the freshest outer state is the one with the most rounds applied
-            averager.state_sharing_priority = averager.rounds + self.local_epoch * 1e-9
+        if not self.client_mode:  # the freshest outer state is the one of the latest epoch
+            averager.state_sharing_priority = averager.outer_epoch
         if applied:
-            print(f"outer round {self.local_epoch - 1}: averaged this peer's {weight:,} samples", flush=True)
-        elif averager.missed and self.tracker.global_progress.num_peers > 1:
+            what = "stepped alone (no other peer in the swarm) on" if alone else "averaged"
+            print(f"outer round {self.local_epoch - 1}: {what} this peer's {weight:,} samples", flush=True)
+        elif averager.missed:
+            why = ("its peers averaged from newer outer parameters" if averager.stale else
+                   "another peer moved the swarm on first" if alone else "it failed here")
             averager.missed = False
-            print(f"outer round {self.local_epoch - 1} failed here; taking the newest outer state from the swarm",
+            print(f"outer round {self.local_epoch - 1}: {why}; taking the newest outer state from the swarm",
                   flush=True)
+            loads = averager.loads
             self.load_state_from_peers()
+            if averager.loads == loads:  # every peer missed it: they still share the outer parameters
+                print("no newer outer state in the swarm: training on from this peer's", flush=True)
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
-        loads = self.state_averager.loads
+        averager, loads, epoch = self.state_averager, self.state_averager.loads, self.local_epoch
         super().load_state_from_peers(**kwargs)
-        if self.state_averager.loads > loads:
+        # hivemind moves a peer one epoch behind the swarm's on to it ("catching up"): with local updates that would
+        # skip the round this state's peers are in, and every later round would start from older outer parameters
+        # than theirs. It stays on the state's epoch (or its own, never going back), so its next round is theirs.
+        averager.local_epoch = max(epoch, averager.outer_epoch)
+        self.tracker.report_local_progress(local_epoch=self.local_epoch, samples_accumulated=0)
+        if averager.loads > loads:
+            if not self.client_mode:
+                averager.state_sharing_priority = averager.outer_epoch
             print(f"took the swarm's outer state: epoch {self.local_epoch}, {self.state_averager.rounds} outer "
                   "rounds", flush=True)

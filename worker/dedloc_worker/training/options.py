@@ -210,7 +210,8 @@ def restore(optimizer, state: dict) -> None:
         except ValueError as e:
             raise ConfigError(f"{e}: the checkpoint belongs to another model") from e
         averager.outer.restart(averager.main_parameters)
-        averager.rounds, averager.local_epoch = int(outer.get("rounds", 0)), int(state["epoch"])
+        averager.rounds = int(outer.get("rounds", 0))
+        averager.local_epoch = averager.outer_epoch = int(state["epoch"])
         averager._update_scheduler()
         return
     params = [p for group in averager.optimizer.param_groups for p in group["params"]]

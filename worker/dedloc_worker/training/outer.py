@@ -91,7 +91,11 @@ class PseudoGradientAverager(TrainingStateAverager):
     :ivar samples: samples this peer trained since the last outer round: its weight in the next one (the caller adds
       to it; a round, failed or not, starts it again from 0)
     :ivar rounds: outer rounds this peer applied
-    :ivar missed: the last round failed here (``missed_rounds``: how many did)
+    :ivar outer_epoch: the epoch its outer parameters are of: the one served as the state's epoch, and the base each
+      round gathers. hivemind advances ``local_epoch`` before a round and after a state load may jump it to the
+      swarm's; a peer whose base is behind its round's would add the same average to older outer parameters and
+      part from the swarm for good, so it takes the newest state instead (``stale``)
+    :ivar missed: the last round failed here or averaged from an older base (``missed_rounds``: how many did)
     """
 
     def __init__(self, *, outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM, **kwargs: Any):
@@ -105,11 +109,15 @@ class PseudoGradientAverager(TrainingStateAverager):
         self.outer = OuterOptimizer(self.main_parameters, lr=outer_lr, momentum=outer_momentum)
         self.samples = 0
         self.rounds = 0
+        self.attempts = 0  # outer rounds begun with other peers
+        self.outer_epoch = self.local_epoch
+        self.stale = False  # the last round's members averaged from newer outer parameters than this peer's
         self.missed_rounds = 0
         self.loads = 0  # outer states loaded from peers
         self.missed = False  # the last round failed here: this peer's outer parameters are behind its peers'
         self._round_weight: Optional[float] = None
         self._round_control: Any = None
+        self._round_base = self.outer_epoch
 
     @property
     def last_weight(self) -> float:
@@ -123,16 +131,16 @@ class PseudoGradientAverager(TrainingStateAverager):
             # round it made itself only: a round scheduled ahead gets it on its control. The control is kept, so that
             # ``_apply_averaging_results_`` can tell a round that averaged from one that failed.
             weight = float(max(self.samples, 0))
-            if averaging_control is not None and (averaging_control.triggered or averaging_control.done()):
-                averaging_control = None  # a matchmaking that failed: hivemind would make a new round, so do we
-            if averaging_control is None:
-                opts = dict(averaging_opts or {})
-                # past TrainingStateAverager's step, as its own round-making does (a planned averager announces)
-                averaging_control = super(TrainingStateAverager, self).step(
-                    gather=self.local_epoch, require_trigger=True, wait=False, weight=weight,
-                    timeout=opts.pop("timeout", None), **{k: v for k, v in opts.items() if k != "weight"})
-            else:
-                averaging_control.weight = weight
+            if averaging_control is not None and not averaging_control.done():
+                averaging_control.cancel()  # hivemind schedules none ahead in local-updates mode; its gather isn't ours
+            opts = dict(averaging_opts or {})
+            # past TrainingStateAverager's step, as its own round-making does (a planned averager announces); the
+            # members gather their bases, so each can tell whether it averaged from the same outer parameters
+            self._round_base = self.outer_epoch
+            self.attempts += 1
+            averaging_control = super(TrainingStateAverager, self).step(
+                gather=self._round_base, require_trigger=True, wait=False, weight=weight,
+                timeout=opts.pop("timeout", None), **{k: v for k, v in opts.items() if k != "weight"})
             averaging_opts = None  # the control is made: hivemind would warn of options it no longer uses
             self._round_control, self._round_weight, self.samples = averaging_control, weight, 0
         return super().step(*args, averaging_round=averaging_round, averaging_opts=averaging_opts,
@@ -153,22 +161,55 @@ class PseudoGradientAverager(TrainingStateAverager):
             self.missed_rounds += 1
             self.missed = True
             return
+        bases = [base for base in control.result().values() if isinstance(base, int)]
+        if max(bases, default=self._round_base) > self._round_base:
+            # the others stepped from newer outer parameters: the same step here would leave this peer behind
+            self.missed_rounds += 1
+            self.missed = self.stale = True
+            return
+        if not self._round_complete():
+            # an aggregator left mid-round: hivemind keeps this peer's own values for its parts, so a step here
+            # would part it from peers that got those parts. It takes their state, or, where nobody got them, all
+            # keep the outer parameters they share and train on
+            self.missed_rounds += 1
+            self.missed = True
+            return
+        self._step_outer()
+
+    def _round_complete(self) -> bool:
+        """Whether every part of the last round came back averaged."""
+        return True
+
+    @torch.no_grad()
+    def step_alone(self) -> None:
+        """An outer round with no other peer in the swarm (hivemind then makes none): DiLoCo with one worker, the outer
+        step takes this peer's own pseudo-gradient, so the outer parameters and their epoch move on while it is
+        alone and a peer that joins takes where it got to."""
+        self._round_base, self._round_weight, self.samples = self.outer_epoch, float(max(self.samples, 0)), 0
+        with self.lock_averaging:
+            self._load_local_tensors_into_averager_()
+            self._step_outer()
+
+    def _step_outer(self) -> None:
         with self.get_tensors() as averaged, self.outer_lock:
             self.outer.step([tensor.clone() for tensor in averaged], self.main_parameters)
             self.rounds += 1
-        self.missed = False
+            self.outer_epoch = self._round_base + 1
+        self.local_epoch = max(self.local_epoch, self.outer_epoch)
+        self.missed = self.stale = False
 
     def get_current_state(self):
         """The outer state, as ``TrainingStateAverager.get_current_state`` lays a state out: outer parameters, then
         the outer momentum as extra tensors (the inner optimizer's statistics are each peer's own)."""
         with self.outer_lock:
             metadata, tensors, infos = super().get_current_state()
-            rounds = self.rounds
+            rounds, epoch = self.rounds, self.outer_epoch
             outer_tensors = [p.clone() for p in self.outer.params] + [m.clone() for m in self.outer.momentum_buffers()]
         count = len(self.outer.params)
         outer_infos = list(infos[:count]) + [type(info).from_tensor(m, key=f"outer_momentum.{i}", role=info.role)
                                             for i, (m, info) in enumerate(zip(outer_tensors[count:], infos[:count]))]
-        metadata = dict(metadata, outer_rounds=rounds, optimizer_metadata=None)
+        # the epoch of the outer parameters, not local_epoch: mid-round that is already the next one
+        metadata = dict(metadata, epoch=epoch, outer_rounds=rounds, optimizer_metadata=None)
         return metadata, outer_tensors, outer_infos
 
     def load_state_from_peers(self, **kwargs: Any):
@@ -180,8 +221,9 @@ class PseudoGradientAverager(TrainingStateAverager):
             return None
         metadata, tensors = loaded
         count = len(self.outer.params)
-        if not isinstance(metadata.get("epoch"), int) or metadata["epoch"] < self.local_epoch:
-            logger.warning("not loading an outer state older than this peer's")
+        if not isinstance(metadata.get("epoch"), int) or metadata["epoch"] <= self.outer_epoch:
+            # the same epoch's outer parameters are this peer's own (every peer steps from the same base)
+            logger.log(self.status_loglevel, "the swarm's newest outer state is no newer than this peer's")
             return None
         if len(tensors) != 2 * count:
             logger.warning(f"not loading an outer state of {len(tensors)} tensors; this model has {count} parameters")
@@ -189,9 +231,11 @@ class PseudoGradientAverager(TrainingStateAverager):
         with self.outer_lock:
             self.outer.load(tensors[:count], tensors[count:])
             self.outer.restart(self.main_parameters)
-        self.rounds, self.samples, self.missed = int(metadata.get("outer_rounds", self.rounds)), 0, False
+            self.outer_epoch = metadata["epoch"]
+        self.rounds, self.samples = int(metadata.get("outer_rounds", self.rounds)), 0
+        self.missed = self.stale = False
         self.loads += 1
-        self.local_epoch = metadata["epoch"]
+        self.local_epoch = max(self.local_epoch, metadata["epoch"])
         self._update_scheduler()
         return True
 
@@ -210,3 +254,7 @@ class OuterAverager(PseudoGradientAverager, PlannedAverager, RemembersRounds):
     @classmethod
     def _get_handle_name(cls, namespace, method_name: str) -> str:
         return TrainingStateAverager._get_handle_name(namespace, method_name)
+
+    def _round_complete(self) -> bool:
+        outcome = self.last_round(timeout=30)
+        return outcome is None or outcome.failed_elements == 0
