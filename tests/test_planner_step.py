@@ -398,6 +398,34 @@ def test_the_coordinators_published_plan_follows_the_peers_compute(sessions, tmp
     assert stored["uneven"][1] == {"slow": "compute+aggregate", "fast": "compute"}
 
 
+def test_a_live_coordinator_follows_compute_measured_after_the_first_plan(sessions, tmp_path):
+    """As a live swarm reaches it: peers join before they measured their rate (planned at the median's, so evenly),
+    their records then report 100 and 1,000 samples/s. The step gains 0.5% (aggregating is a small part of a
+    compute-bound step) but 10% of the round, the part a plan decides: the keeper publishes the uneven plan once its
+    interval passed. Rates 20% apart, noise, keep the even one."""
+    settings = Settings(database_url="sqlite://", data_dir=tmp_path)
+    config = RunConfig(slug="gpus", run_id="gpus", task="tiny-lm", target_batch_size=4096, batch_size=16)
+    now = [0.0]
+    with sessions() as session:
+        run = registry.create_run(session, slug="gpus", title="GPUs", target_batch_size=4096)
+        keeper = PlanKeeper(settings, clock=lambda: now[0], min_interval_s=30.0, config=config,
+                            wall_clock=lambda: NOW)
+        first = keeper.update(session, run, gpu_pair(0.0, 0.0))
+        assert first.shares == pytest.approx({"peer-slow": 0.5, "peer-fast": 0.5}, abs=1e-6)
+        now[0] = 60.0
+        kept = keeper.update(session, run, gpu_pair(500.0, 600.0))
+        assert kept is None or kept.shares == first.shares, keeper.replanner.last_reason
+        now[0] = 120.0
+        followed = keeper.update(session, run, gpu_pair(100.0, 1000.0))
+        session.commit()
+        assert followed is not None, keeper.replanner.last_reason
+        floor = 2 * GRADIENT_PART_BYTES / V
+        assert followed.shares == pytest.approx({"peer-slow": 1 - floor, "peer-fast": floor}, abs=1e-6)
+        row = session.scalars(select(AveragingPlan).where(AveragingPlan.id == keeper.row_id)).one()
+        assert {entry["username"]: entry["step_role"] for entry in row.peers} == {
+            "slow": "compute+aggregate", "fast": "compute"}
+
+
 def test_the_groups_bench_confines_a_failure_to_its_group():
     whole, grouped = (simulate_groups.simulate(64, size) for size in (None, 8))
     assert whole["groups"] == 1 and whole["lost_share_expected"] == 1.0

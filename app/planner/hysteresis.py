@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 
 from app.planner.lp import plan_averaging, round_seconds
 from app.planner.model import BANDWIDTH_ONLY, PeerProfile, Plan, PlanningError, RoundCosts
-from app.planner.step import StepOptions, plan_cost, plan_step
+from app.planner.step import StepOptions, plan_cost, plan_round_seconds, plan_step
 
 
 class Replanner:
@@ -16,8 +16,11 @@ class Replanner:
     measured profile changed), at most once per ``min_interval_s``. It is published only if it predicts a round
     more than ``min_improvement`` faster than the current plan would take on the same peers (peers the current
     plan does not name count with share zero, as hivemind would run them), so that noise in bandwidth
-    measurements never makes the swarm flip between near-equal plans. A current plan that names a peer that has
-    left is replaced at once, whatever the interval: a round planned around an absent peer cannot finish.
+    measurements never makes the swarm flip between near-equal plans. With ``step``, plans are compared by step
+    time, and the threshold is still a fraction of the current plan's round: under delayed updates a step is mostly
+    compute, and what a plan wins by moving aggregating off a fast trainer (the compute term) is a small part of it.
+    A current plan that names a peer that has left is replaced at once, whatever the interval: a round planned around
+    an absent peer cannot finish.
 
     :param vector_bytes: size of the averaged vector, bytes
     :param clock: returns the current time in seconds (``time.monotonic`` in production; tests pass their own)
@@ -105,14 +108,16 @@ class Replanner:
             if self._step is not None:
                 current = plan_cost(peers, self._current, self._vector_bytes, self._step, hold_back=self._hold_back,
                                     costs=self.costs)
+                scale = plan_round_seconds(peers, self._current, self._vector_bytes, hold_back=self._hold_back,
+                                           costs=self.costs)
             else:
-                current = round_seconds(peers, self._current.shares, self._vector_bytes, hold_back=self._hold_back,
-                                        costs=self.costs)
+                current = scale = round_seconds(peers, self._current.shares, self._vector_bytes,
+                                                hold_back=self._hold_back, costs=self.costs)
         except PlanningError:
             return True  # the current shares no longer fit, e.g. an aggregator switched to client mode
         new = candidate.step_seconds if self._step is not None and candidate.step_seconds is not None \
             else candidate.predicted_seconds
-        return new < (1.0 - self._min_improvement) * current
+        return current - new > self._min_improvement * scale
 
     def _publish(self, plan: Plan, reason: str) -> Plan:
         self._current, self.last_reason = plan, reason
