@@ -142,10 +142,71 @@ def test_a_checkpoint_resumes_the_outer_parameters_and_momentum(dhts):
         momentum = [torch.full_like(p, 0.25) for p in resumed.main_parameters]
         state = {"epoch": 12, "parameters": params, "outer": {"momentum": momentum, "rounds": 4}}
         restore(SimpleNamespace(state_averager=resumed), state)
-        assert (resumed.local_epoch, resumed.rounds) == (12, 4)
+        assert (resumed.local_epoch, resumed.outer_epoch, resumed.rounds) == (12, 12, 4)
         assert all(torch.equal(a, b) for a, b in zip(resumed.outer.momentum_buffers(), momentum))
         assert all(torch.equal(a, b) for a, b in zip(resumed.main_parameters, params))
         with pytest.raises(ConfigError, match="no outer optimizer state"):
             restore(SimpleNamespace(state_averager=resumed), {"epoch": 1, "parameters": params})
     finally:
         resumed.shutdown()
+
+
+def run_round(peers) -> None:
+    threads = [threading.Thread(target=peer.step, kwargs=dict(increment_epoch=True, averaging_round=True,
+                                                              averaging_opts=dict(timeout=20)))
+               for peer in peers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+
+def test_a_peer_whose_outer_parameters_are_of_an_older_epoch_does_not_step_from_them(dhts):
+    """Each member gathers the epoch of the outer parameters it steps from. A peer one outer step behind (as a joiner
+    was that took a state served mid-round, or that hivemind's catch-up moved past the state it loaded) would add
+    the same average to older parameters and stay behind for good: it does not step, and says it is stale. A state
+    served mid-round carries its outer parameters' epoch, not the local epoch hivemind already moved on."""
+    ahead, behind = averager(dhts[0], 1.0), averager(dhts[1], 1.0, sharing=False)
+    try:
+        ahead.outer_epoch = ahead.local_epoch = 5  # its outer parameters are the result of epoch 5's round
+        behind.outer_epoch, behind.local_epoch = 4, 5
+        for peer in (ahead, behind):
+            with torch.no_grad():
+                for param in peer.main_parameters:
+                    param.sub_(0.5)
+            peer.samples = 100
+        run_round([ahead, behind])
+        assert (ahead.rounds, ahead.outer_epoch, ahead.missed) == (1, 6, False)
+        assert (behind.rounds, behind.outer_epoch, behind.missed, behind.stale) == (0, 4, True, True)
+        assert all(torch.equal(p, torch.ones_like(p)) for p in behind.outer.params)
+
+        ahead.local_epoch = 7  # hivemind raised it for the next round, whose result is not in yet
+        metadata, _, _ = ahead.get_current_state()
+        assert metadata["epoch"] == 6
+        assert behind.load_state_from_peers(timeout=20)
+        assert (behind.outer_epoch, behind.stale, behind.missed) == (6, False, False)
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(behind.outer.params, ahead.outer.params))
+    finally:
+        for peer in (ahead, behind):
+            peer.shutdown()
+
+
+def test_a_peer_alone_takes_the_outer_step_on_its_own_pseudo_gradient():
+    """hivemind makes no round while it sees no other peer; DiLoCo with one worker steps on its own pseudo-gradient,
+    so the founder's outer parameters (and the epoch a joiner loads) move on while it trains alone."""
+    dht = hivemind.DHT(host_maddrs=["/ip4/127.0.0.1/tcp/0"], start=True)
+    alone = averager(dht, 1.0, sharing=False)
+    try:
+        with torch.no_grad():
+            for param in alone.main_parameters:
+                param.sub_(0.5)
+        alone.samples = 64
+        alone.local_epoch += 1  # as hivemind's step does before its round
+        alone.step_alone()
+        expected, _ = nesterov(torch.tensor(1.0), torch.tensor(0.5))
+        assert (alone.rounds, alone.outer_epoch, alone.samples, alone.last_weight) == (1, 1, 0, 64)
+        for outer, local in zip(alone.outer.params, alone.main_parameters):
+            assert torch.allclose(outer, torch.full_like(outer, expected.item())) and torch.equal(outer, local)
+    finally:
+        alone.shutdown()
+        dht.shutdown()
