@@ -15,6 +15,19 @@ from app.runs import snapshots
 
 RECENT_SNAPSHOTS = 120  # a few minutes at the coordinator's poll interval
 RECENT_CLAIMS = 500  # the newest (peer, epoch) claims behind the share of rounds that did not form
+RECENT_ROUNDS = 5  # outer rounds a local-updates run's progress details
+
+
+class PeerInRound(BaseModel):
+    username: str
+    inner_steps: int  # mini-batches, each an inner optimizer step
+    samples: int
+    seconds: float  # from the peer's previous outer round to the end of this one
+
+
+class RoundDetail(BaseModel):
+    epoch: int
+    peers: list[PeerInRound]
 
 
 class RunProgress(BaseModel):
@@ -35,6 +48,8 @@ class RunProgress(BaseModel):
     # Of the newest claims, how many went into no averaging round (hivemind found no group; the peer stepped alone).
     claims_recent: int = 0
     rounds_not_formed: int = 0
+    # local-updates: the newest outer rounds, each peer's inner steps and samples in it, as their claims say
+    recent_rounds: list[RoundDetail] = []
 
 
 def run_progress(session: Session, run: Run) -> RunProgress:
@@ -46,6 +61,8 @@ def run_progress(session: Session, run: Run) -> RunProgress:
     progress = RunProgress(state=run.state or "active", algorithm=options.algorithm,
                            outer_batch_size=outer_batch_of(options, run.target_batch_size) if local else None,
                            epoch=epoch, target_epochs=run.target_epochs, **rounds_not_formed(session, run))
+    if local:
+        progress.recent_rounds = recent_rounds(session, run)
     if run.target_epochs is None:
         return progress
     progress.fraction_done = min(epoch / run.target_epochs, 1.0)
@@ -56,7 +73,8 @@ def run_progress(session: Session, run: Run) -> RunProgress:
     if not recent:
         return progress
     accumulated = latest.samples_accumulated if latest is not None else 0
-    remaining = max((run.target_epochs - epoch) * run.target_batch_size - accumulated, 0)
+    per_epoch = progress.outer_batch_size or run.target_batch_size  # an outer round's samples, or a step's
+    remaining = max((run.target_epochs - epoch) * per_epoch - accumulated, 0)
     speeds = sorted(s.samples_per_second for s in recent)
     low, high = (statistics.quantiles(speeds, n=4)[::2] if len(speeds) >= 4 else (speeds[0], speeds[-1]))
     progress.eta_seconds = round(remaining / statistics.median(speeds), 1)
@@ -75,3 +93,24 @@ def rounds_not_formed(session: Session, run: Run) -> dict:
                                                                  Contribution.samples > 0)
                              .order_by(Contribution.epoch.desc(), Contribution.id.desc()).limit(RECENT_CLAIMS)).all()
     return dict(claims_recent=len(groups), rounds_not_formed=sum(1 for group in groups if not group))
+
+
+def recent_rounds(session: Session, run: Run, count: int = RECENT_ROUNDS) -> list[RoundDetail]:
+    """The newest ``count`` outer rounds anyone claimed samples in, newest first, each peer's claim in it."""
+    from sqlalchemy import select
+
+    from app.models import Contribution
+
+    epochs = session.scalars(select(Contribution.epoch).where(Contribution.run_id == run.id, Contribution.samples > 0)
+                             .distinct().order_by(Contribution.epoch.desc()).limit(count)).all()
+    if not epochs:
+        return []
+    rows = session.scalars(select(Contribution).where(Contribution.run_id == run.id, Contribution.epoch.in_(epochs),
+                                                      Contribution.samples > 0)
+                           .order_by(Contribution.epoch.desc(), Contribution.username)).all()
+    rounds: dict[int, RoundDetail] = {}
+    for row in rows:
+        detail = rounds.setdefault(row.epoch, RoundDetail(epoch=row.epoch, peers=[]))
+        detail.peers.append(PeerInRound(username=row.username, inner_steps=row.mini_steps, samples=row.samples,
+                                        seconds=round(row.seconds, 1)))
+    return list(rounds.values())
