@@ -401,8 +401,8 @@ def test_the_coordinators_published_plan_follows_the_peers_compute(sessions, tmp
 def test_a_live_coordinator_follows_compute_measured_after_the_first_plan(sessions, tmp_path):
     """As a live swarm reaches it: peers join before they measured their rate (planned at the median's, so evenly),
     their records then report 100 and 1,000 samples/s. The step gains 0.5% (aggregating is a small part of a
-    compute-bound step) but 10% of the round, the part a plan decides: the keeper publishes the uneven plan once its
-    interval passed. Rates 20% apart, noise, keep the even one."""
+    compute-bound step) but 10% of the round, the part a plan decides, and the fast peer's role changes: the keeper
+    publishes the uneven plan once its interval passed. Rates 20% apart, noise, keep the even one."""
     settings = Settings(database_url="sqlite://", data_dir=tmp_path)
     config = RunConfig(slug="gpus", run_id="gpus", task="tiny-lm", target_batch_size=4096, batch_size=16)
     now = [0.0]

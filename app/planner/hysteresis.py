@@ -17,8 +17,10 @@ class Replanner:
     more than ``min_improvement`` faster than the current plan would take on the same peers (peers the current
     plan does not name count with share zero, as hivemind would run them), so that noise in bandwidth
     measurements never makes the swarm flip between near-equal plans. With ``step``, plans are compared by step
-    time, and the threshold is still a fraction of the current plan's round: under delayed updates a step is mostly
-    compute, and what a plan wins by moving aggregating off a fast trainer (the compute term) is a small part of it.
+    time; a plan that gives some peer another role (who aggregates: what the compute term decides) needs to win
+    that fraction of the current plan's round only, as under delayed updates a step is mostly compute and what a
+    plan wins by moving aggregating off a fast trainer is a small part of it. Shares alone still need the fraction
+    of the step, so that a new plan (and the rounds its peers lose while they take it up) stays rare.
     A current plan that names a peer that has left is replaced at once, whatever the interval: a round planned around
     an absent peer cannot finish.
 
@@ -117,7 +119,11 @@ class Replanner:
             return True  # the current shares no longer fit, e.g. an aggregator switched to client mode
         new = candidate.step_seconds if self._step is not None and candidate.step_seconds is not None \
             else candidate.predicted_seconds
-        return current - new > self._min_improvement * scale
+        gain = current - new
+        if gain > self._min_improvement * current:
+            return True
+        return self._step is not None and candidate.roles != self._current.roles \
+            and gain > self._min_improvement * scale
 
     def _publish(self, plan: Plan, reason: str) -> Plan:
         self._current, self.last_reason = plan, reason
