@@ -117,7 +117,7 @@ class PseudoGradientAverager(TrainingStateAverager):
         self.missed = False  # the last round failed here: this peer's outer parameters are behind its peers'
         self._round_weight: Optional[float] = None
         self._round_control: Any = None
-        self._round_base = self.outer_epoch
+        self._round_base = self._scheduled_base = self.outer_epoch
 
     @property
     def last_weight(self) -> float:
@@ -131,20 +131,36 @@ class PseudoGradientAverager(TrainingStateAverager):
             # round it made itself only: a round scheduled ahead gets it on its control. The control is kept, so that
             # ``_apply_averaging_results_`` can tell a round that averaged from one that failed.
             weight = float(max(self.samples, 0))
-            if averaging_control is not None and not averaging_control.done():
-                averaging_control.cancel()  # hivemind schedules none ahead in local-updates mode; its gather isn't ours
             opts = dict(averaging_opts or {})
-            # past TrainingStateAverager's step, as its own round-making does (a planned averager announces); the
-            # members gather their bases, so each can tell whether it averaged from the same outer parameters
+            ahead = averaging_control is not None and not averaging_control.triggered \
+                and not averaging_control.done() and self._scheduled_base == self.outer_epoch
+            if ahead:
+                averaging_control.weight = weight  # its matchmaking began ahead (``schedule_round``), from this base
+            else:
+                if averaging_control is not None and not averaging_control.done():
+                    averaging_control.cancel()  # failed, or scheduled from outer parameters this peer no longer has
+                averaging_control = self._begin_round(weight=weight, timeout=opts.pop("timeout", None),
+                                                      **{k: v for k, v in opts.items() if k != "weight"})
             self._round_base = self.outer_epoch
             self.attempts += 1
-            averaging_control = super(TrainingStateAverager, self).step(
-                gather=self._round_base, require_trigger=True, wait=False, weight=weight,
-                timeout=opts.pop("timeout", None), **{k: v for k, v in opts.items() if k != "weight"})
             averaging_opts = None  # the control is made: hivemind would warn of options it no longer uses
             self._round_control, self._round_weight, self.samples = averaging_control, weight, 0
         return super().step(*args, averaging_round=averaging_round, averaging_opts=averaging_opts,
                             averaging_control=averaging_control, **kwargs)
+
+    def _begin_round(self, **kwargs: Any):
+        """A round's control: past TrainingStateAverager's step, as its own round-making does (a planned averager
+        announces); the members gather their bases, so each can tell whether it averaged from the same outer
+        parameters."""
+        return super(TrainingStateAverager, self).step(gather=self.outer_epoch, require_trigger=True, wait=False,
+                                                       **kwargs)
+
+    def schedule_round(self, scheduled_time: float, timeout: Optional[float] = None):
+        """Begin the next round's matchmaking now, for a group formed by ``scheduled_time`` (DHT time), as hivemind
+        schedules gradient rounds ahead; ``step`` then uses it if this peer still steps from the same outer
+        parameters."""
+        self._scheduled_base = self.outer_epoch
+        return self._begin_round(scheduled_time=scheduled_time, timeout=timeout)
 
     @torch.no_grad()
     def _load_local_tensors_into_averager_(self) -> None:
