@@ -71,6 +71,17 @@ def averager(dht, start: float, sharing: bool = True) -> PseudoGradientAverager:
                                   target_group_size=2, min_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5)
 
 
+def run_round(peers) -> None:
+    """One outer round of ``peers`` at once, each stepping in a thread of its own, as separate processes would."""
+    threads = [threading.Thread(target=peer.step, kwargs=dict(increment_epoch=True, averaging_round=True,
+                                                              averaging_opts=dict(timeout=20)))
+               for peer in peers]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+
+
 def test_an_outer_round_gives_both_peers_the_same_outer_step_on_the_sample_weighted_mean(dhts):
     peers = [averager(dhts[0], 1.0), averager(dhts[1], 1.0)]
     try:
@@ -80,13 +91,7 @@ def test_an_outer_round_gives_both_peers_the_same_outer_step_on_the_sample_weigh
                 for param in peer.main_parameters:
                     param.sub_(move)
             peer.samples = count
-        threads = [threading.Thread(target=peer.step, kwargs=dict(increment_epoch=True, averaging_round=True,
-                                                                  averaging_opts=dict(timeout=20)))
-                   for peer in peers]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join(60)
+        run_round(peers)
         weighted = (0.3 * 300 - 0.6 * 100) / 400  # 0.075, where the unweighted mean is -0.15
         expected, _ = nesterov(torch.tensor(1.0), torch.tensor(weighted))
         for peer in peers:
@@ -149,16 +154,6 @@ def test_a_checkpoint_resumes_the_outer_parameters_and_momentum(dhts):
             restore(SimpleNamespace(state_averager=resumed), {"epoch": 1, "parameters": params})
     finally:
         resumed.shutdown()
-
-
-def run_round(peers) -> None:
-    threads = [threading.Thread(target=peer.step, kwargs=dict(increment_epoch=True, averaging_round=True,
-                                                              averaging_opts=dict(timeout=20)))
-               for peer in peers]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(60)
 
 
 def test_a_peer_whose_outer_parameters_are_of_an_older_epoch_does_not_step_from_them(dhts):
