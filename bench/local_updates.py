@@ -84,6 +84,7 @@ class Case:
     skip: int
     outer_steps: Optional[int] = None  # outer batch = this many TARGET_BATCH; None: the run's default (32)
     outer_momentum: Optional[float] = None  # None: the run's default (DiLoCo's 0.9)
+    overlap: bool = True  # local updates: the outer round runs during the next inner steps (the run's default)
 
     @property
     def outer_batch(self) -> Optional[int]:
@@ -100,6 +101,8 @@ CASES = [
     Case("large-batch", "large-batch", "fp16", epochs=16, skip=6),
     Case("large-batch uint8", "large-batch", "uint8", epochs=16, skip=6),
     Case("local-updates", "local-updates", "fp16", epochs=5, skip=1),  # the default outer batch: 32 steps
+    # each peer waits for its outer round before training on (delay_optimizer_step off): the overlap's gain
+    Case("local-updates waiting", "local-updates", "fp16", epochs=5, skip=1, overlap=False),
     Case("local-updates uint8", "local-updates", "uint8", epochs=5, skip=1),
     Case("local-updates 8 steps", "local-updates", "fp16", epochs=9, skip=1, outer_steps=8),
     Case("local-updates 64 steps", "local-updates", "fp16", epochs=4, skip=1, outer_steps=64),
@@ -214,6 +217,8 @@ def run_config(case: Case):
         options["outer_batch_size"] = case.outer_batch
     if case.outer_momentum is not None:
         options["outer_momentum"] = case.outer_momentum
+    if not case.overlap:
+        options["delay_optimizer_step"] = False
     return RunConfig(slug="bench", run_id="lu-" + re.sub(r"[^A-Za-z0-9]+", "-", case.name), task="tiny-lm",
                      task_options=MODEL, target_batch_size=TARGET_BATCH, batch_size=BATCH, seed=SEED,
                      optimizer=OptimizerOptions(**options))
@@ -293,7 +298,7 @@ def train_peer(opt, model, case: Case, index: int, deadline: float) -> dict:
 
     train, held_out = splits()
     generator = torch.Generator().manual_seed(SEED + 100 + index)
-    records, outcomes, counters = [], {}, Counters()
+    records, outcomes, counters, closing = [], {}, Counters(), {}
     while opt.local_epoch < case.epochs and time.monotonic() < deadline:
         began = time.perf_counter()
         loss_of(model, windows(train, BATCH, generator)).backward()
@@ -305,20 +310,33 @@ def train_peer(opt, model, case: Case, index: int, deadline: float) -> dict:
         stepped = time.perf_counter()
         counters.step_began, counters.stepping = None, counters.stepping + stepped - computed
         counters.trained += BATCH
-        for finished in opt.finished_epochs:
-            records.append(dict(epoch=finished.epoch, samples=finished.samples, time=time.time(),
-                                step_began=step_began, closing_step=stepped - computed))
-        if opt.finished_epochs:
+        for finished in opt.finished_epochs:  # the step that closed the epoch (its round may end later)
+            closing.setdefault(finished.epoch, (step_began, stepped - computed))
+        opt.collect_rounds()  # as the worker's loop does between mini-steps: an overlapped outer round may be over
+        if opt.rounds_over:
             note_round(opt.averager, outcomes)
-        opt.finished_epochs.clear()
-        opt.rounds_over.clear()  # receipts: nobody credits here
+        record_rounds(opt, records, closing)
     series = counters.stop()
-    if case.algorithm == "large-batch":  # the last step's update runs in the background (delayed updates)
-        opt.state_averager.step(wait_for_delayed_updates=True)
+    # the last step's update (large-batch) or outer round (overlapped local updates) runs in the background
+    opt.state_averager.step(wait_for_delayed_updates=True)
+    opt.collect_rounds()
+    record_rounds(opt, records, closing)
     note_round(opt.averager, outcomes)
     return dict(records=records, rounds=sorted(outcomes.values(), key=lambda r: r["began"]), series=series,
                 epoch=opt.local_epoch, eval_loss=held_out_loss(model, held_out),
                 missed_rounds=getattr(opt.state_averager, "missed_rounds", 0))
+
+
+def record_rounds(opt, records: list, closing: dict) -> None:
+    """A record per epoch whose round has ended: when (the round's end as the loop saw it), the samples it averaged
+    in (known at its end where the round ran in the background), and the step that closed it (``closing``: epoch ->
+    its start, seconds). Receipts: nobody credits here."""
+    while opt.finished_epochs and opt.rounds_over:
+        finished, receipts = opt.finished_epochs.pop(0), opt.rounds_over.pop(0)
+        samples = receipts.samples if receipts.samples is not None else finished.samples
+        step_began, closing_step = closing.get(finished.epoch, (time.time(), 0.0))
+        records.append(dict(epoch=finished.epoch, samples=samples, time=time.time(), step_began=step_began,
+                            closing_step=closing_step))
 
 
 def note_round(averager, outcomes: dict) -> None:

@@ -8,26 +8,12 @@ import signal
 import time
 
 import pytest
-from sqlalchemy import select
 
-from app.core.database import make_engine, make_sessionmaker
-from app.models import Contribution
 from tests.support.harness import local_epoch, wait_for
 from tests.test_swarm import confirmed_truth
 
 pytestmark = pytest.mark.swarm
 TTL = 8  # seconds a metrics record (and an acknowledgement) lives without being republished
-
-
-def claims_in_database(deployment) -> dict[tuple[str, int], int]:
-    """(username, epoch) -> samples of every claim the coordinators recorded."""
-    engine = make_engine(deployment.database_url)
-    try:
-        with make_sessionmaker(engine)() as session:
-            rows = session.execute(select(Contribution.username, Contribution.epoch, Contribution.samples))
-            return {(username, epoch): samples for username, epoch, samples in rows}
-    finally:
-        engine.dispose()
 
 
 def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live_neither_lose_nor_double_credit(
@@ -66,7 +52,7 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     deployment.kill("coordinator")
     deployment.reap("coordinator")
     assert deployment.stop("coordinator-second", grace=30) == 0
-    down_at = max(epoch for _, epoch in claims_in_database(deployment))
+    down_at = max(epoch for _, epoch in deployment.claims_in_database())
     wait_for(lambda: all(local_epoch((deployment.logs / f"{name}.log").read_text()) >= down_at + 3
                          for name in trainers),
              60, "the workers to train on: a few epochs nobody records")
@@ -75,10 +61,10 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     assert all(deployment.processes[name].poll() is None for name in workers), "a worker ended early"
 
     deployment.start_coordinator("coordinator-restarted")
-    wait_for(lambda: max(epoch for _, epoch in claims_in_database(deployment)) >= down_at + 2, 90,
+    wait_for(lambda: max(epoch for _, epoch in deployment.claims_in_database()) >= down_at + 2, 90,
              "the restarted coordinator to record the epochs trained while it was down")
     time.sleep(4)  # every record read at least once more
-    while_paused = claims_in_database(deployment)
+    while_paused = deployment.claims_in_database()
 
     deployment.set_state("active")
     paused_epoch = max(epoch for _, epoch in while_paused)
@@ -89,7 +75,7 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     cut = {epoch for name in trainers for epoch in range(paused_at[name], paused_at[name] + 3)}
 
     def trained_on() -> bool:  # training went on, and the trainers shared enough epochs to count failed rounds
-        claims = claims_in_database(deployment)
+        claims = deployment.claims_in_database()
         trained = {name: sorted(e for (user, e), samples in claims.items() if user == name and samples)
                    for name in trainers}
         shared = (set(trained["alice"][1:]) & set(trained["bob"][1:])) - cut
@@ -107,7 +93,7 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     assert {key: samples for key, samples in reported.items()
             if key[0] in trainers and key[1] <= paused_at[key[0]]} == {
         key: samples for key, samples in while_paused.items() if key[0] in trainers}
-    wait_for(lambda: claims_in_database(deployment) == reported, 30, "every reported claim in the database")
+    wait_for(lambda: deployment.claims_in_database() == reported, 30, "every reported claim in the database")
     assert all(count == 1 for _, _, count in deployment.rows_per_epoch())
     truth = confirmed_truth(deployment, workers)
     assert truth["alice"][0] and truth["bob"][0], truth

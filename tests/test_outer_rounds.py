@@ -43,6 +43,22 @@ def test_lr_1_without_momentum_is_plain_parameter_averaging():
     assert local[0].item() == 2.5
 
 
+def test_an_overlapped_round_keeps_the_inner_steps_taken_while_it_ran():
+    """The round began from outer - sent; the peer trained on meanwhile (drift). Applied late, the outer step is the
+    same, and the local parameters are the new outer ones plus that drift, not the new outer ones alone."""
+    local = [torch.tensor([1.0, 2.0])]
+    outer = OuterOptimizer(local, lr=LR, momentum=MOMENTUM)
+    local[0].sub_(torch.tensor([0.5, -0.5]))  # the phase's inner steps
+    sent = outer.pseudo_gradients(local)
+    drift = torch.tensor([0.25, 0.125])
+    local[0].add_(drift)  # inner steps while the round runs
+    averaged = [torch.tensor([0.3, -0.1])]  # the swarm's mean
+    outer.step(averaged, local, sent=sent)
+    expected, _ = nesterov(torch.tensor([1.0, 2.0]), averaged[0])
+    assert torch.allclose(outer.params[0], expected)
+    assert torch.allclose(local[0], expected + drift)
+
+
 @pytest.mark.parametrize("lr, momentum", [(0.0, 0.9), (-0.1, 0.9), (0.7, 1.0), (0.7, -0.1)])
 def test_bad_outer_options_are_refused(lr, momentum):
     with pytest.raises(ValueError):
@@ -60,14 +76,14 @@ def dhts():
     gc.collect()
 
 
-def averager(dht, start: float, sharing: bool = True) -> PseudoGradientAverager:
+def averager(dht, start: float, sharing: bool = True, overlap: bool = False) -> PseudoGradientAverager:
     model = torch.nn.Linear(4, 2)
     with torch.no_grad():
         for param in model.parameters():
             param.fill_(start)
     return PseudoGradientAverager(dht=dht, prefix="outer_test", params=model.parameters(),
                                   optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), outer_lr=LR,
-                                  outer_momentum=MOMENTUM, allow_state_sharing=sharing, start=True,
+                                  outer_momentum=MOMENTUM, allow_state_sharing=sharing, start=True, overlap=overlap,
                                   target_group_size=2, min_group_size=2, min_matchmaking_time=1.0, request_timeout=0.5)
 
 
@@ -112,6 +128,38 @@ def test_an_outer_round_gives_both_peers_the_same_outer_step_on_the_sample_weigh
                 assert torch.allclose(mine, theirs) and theirs.abs().sum() > 0
         finally:
             joiner.shutdown()
+    finally:
+        for peer in peers:
+            peer.shutdown()
+
+
+def test_an_overlapped_round_runs_while_the_peers_take_inner_steps(dhts):
+    """With ``overlap``, the round's step returns while the round runs, an inner optimizer step is not queued behind
+    it, and the result, applied afterwards, is the same outer step on both peers, each keeping its later steps."""
+    peers = [averager(dhts[0], 1.0, overlap=True), averager(dhts[1], 1.0, overlap=True)]
+    try:
+        for peer, move in zip(peers, (0.3, -0.6)):
+            with torch.no_grad():
+                for param in peer.main_parameters:
+                    param.sub_(move)
+            peer.samples = 100
+        for peer in peers:  # the second peer begins its round after the first one's inner step: that one cannot end
+            peer.step(increment_epoch=True, averaging_round=True, delay_averaging=True,
+                      averaging_opts=dict(timeout=20))
+            assert not all(update.done() for update in peer.pending_updates), "the round's step waited for it"
+            # an inner step meanwhile: the gradient of sum(p), so SGD at lr 0.1 moves every value by -0.1
+            for param in peer.main_parameters:
+                param.grad = torch.ones_like(param)
+            peer.step(optimizer_step=True, zero_grad=True)
+        assert not all(update.done() for update in peers[0].pending_updates), "the inner step waited for the round"
+        for peer in peers:
+            peer.step(wait_for_delayed_updates=True, apply_delayed_updates=True)
+        expected, _ = nesterov(torch.tensor(1.0), torch.tensor((0.3 - 0.6) / 2))
+        for peer in peers:
+            assert peer.rounds == 1 and peer.outer_epoch == 1
+            for outer, local in zip(peer.outer.params, peer.main_parameters):
+                assert torch.allclose(outer, torch.full_like(outer, expected.item()), atol=1e-6)
+                assert torch.allclose(local, outer - 0.1, atol=1e-6), "the inner step taken meanwhile was lost"
     finally:
         for peer in peers:
             peer.shutdown()

@@ -96,7 +96,8 @@ class OptimizerOptions(BaseModel):
     # Progress records of dead peers linger this long (seconds); short keeps survivors at full speed.
     metadata_expiration: float = Field(60.0, gt=0)
     # Delayed parameter updates (DPU, the paper's): a step's round and update run during the next accumulation, so a
-    # worker computes while its round runs (docs/benchmarks.md#delayed-parameter-updates).
+    # worker computes while its round runs (docs/benchmarks.md#delayed-parameter-updates). local-updates: each outer
+    # round runs while the next inner steps train and is applied when it ends (docs/training-algorithms.md#overlap).
     delay_optimizer_step: bool = True
     delay_grad_averaging: bool = True
     # How each aggregator averages its parts: centered_clip caps each sender's weight at the run's ceiling for the

@@ -367,6 +367,28 @@ class Deployment:
         finally:
             engine.dispose()
 
+    def claims_in_database(self) -> dict[tuple[str, int], int]:
+        """(username, epoch) -> samples of every claim the coordinators recorded."""
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                rows = session.execute(select(Contribution.username, Contribution.epoch, Contribution.samples))
+                return {(username, epoch): samples for username, epoch, samples in rows}
+        finally:
+            engine.dispose()
+
+    def claim_rows(self) -> list[dict]:
+        """Every claim the coordinators recorded: username, epoch, samples, held, reason and round (``group``)."""
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                rows = session.execute(select(Contribution.username, Contribution.epoch, Contribution.samples,
+                                              Contribution.held, Contribution.reason, Contribution.group_id))
+                return [dict(username=username, epoch=epoch, samples=samples, held=held, reason=reason or "",
+                             group=group) for username, epoch, samples, held, reason, group in rows]
+        finally:
+            engine.dispose()
+
     def rows_per_epoch(self) -> list[tuple[str, int, int]]:
         """(peer key, epoch, count) for every credited pair: a count above 1 would be double counting."""
         engine = make_engine(self.database_url)

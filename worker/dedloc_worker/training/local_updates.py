@@ -8,7 +8,9 @@ reach the run's outer batch, and each epoch is an outer round of the state avera
 
 from __future__ import annotations
 
-from typing import Any
+import time
+from dataclasses import dataclass
+from typing import Any, Optional
 
 from hivemind.utils import get_dht_time, get_logger
 
@@ -17,12 +19,27 @@ from dedloc_worker.training.outer import OuterAverager
 
 logger = get_logger(__name__)
 
+# After a missed overlapped round: looks for a newer outer state, this many seconds apart
+CATCH_UP_TRIES, CATCH_UP_SPACING = 3, 1.0
+
+
+@dataclass
+class _OuterRound:
+    """The outer round an epoch closed with, until it has ended."""
+
+    epoch: int
+    rounds_before: int  # the averager's outer rounds before it: one more once it is applied
+    alone: bool  # no other peer was in the swarm: stepped alone, or took the state of the peer that was
+
 
 class LocalUpdatesOptimizer(AccountedOptimizer):
     """``AccountedOptimizer`` for local updates.
 
     :param outer_averager_opts: ``OuterAverager``'s own arguments (outer learning rate and momentum, the plan's
       authority, the robust rule, the receipts' ``attest``)
+    :param overlap: each outer round runs in the background while the next inner steps train, and is applied when
+      it ends (one round late, as delayed parameter updates are for large-batch): the GPU does not wait for the
+      network. Without it the peer waits for each round.
 
     A finished epoch claims the samples its outer round averaged in (0 when the round failed here: those samples
     are lost with the local parameters, as a failed round costs a large-batch peer its group's gradients). After a
@@ -30,12 +47,16 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
     start again from the outer parameters everyone else holds.
     """
 
-    def __init__(self, *args: Any, outer_averager_opts: dict, **kwargs: Any):
-        self._outer_averager_opts = outer_averager_opts
+    def __init__(self, *args: Any, outer_averager_opts: dict, overlap: bool = True, **kwargs: Any):
+        overlap = overlap and not kwargs.get("auxiliary")  # an auxiliary peer trains nothing meanwhile
+        self._outer_averager_opts = dict(outer_averager_opts, overlap=overlap)
         kwargs.update(use_local_updates=True, grad_averager_factory=None, delay_grad_averaging=False,
-                      delay_optimizer_step=False, delay_state_averaging=False, offload_optimizer=False,
+                      delay_optimizer_step=False, delay_state_averaging=overlap, offload_optimizer=False,
                       average_state_every=1)
         super().__init__(*args, **kwargs)
+        self._overlap = overlap
+        self._round: Optional[_OuterRound] = None
+        self._catch_up_tries, self._catch_up_at = 0, 0.0
 
     def _make_state_averager(self, **kwargs: Any) -> OuterAverager:
         kwargs.pop("delta_rule_averaging", None)  # the outer averager applies results its own way
@@ -83,6 +104,10 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
 
     def _update_global_epoch(self, grad_scaler) -> None:
         averager = self.state_averager
+        if self._round_running:  # overlapped: the last outer round ends, and is applied, before the next begins
+            averager.step(wait_for_delayed_updates=True)
+            self.collect_rounds()
+        self._catch_up_tries = 0  # this round finds out whether the peer is behind
         rounds, attempts = averager.rounds, averager.attempts
         behind = self.local_epoch < self.tracker.global_epoch  # a peer moved the swarm on before this one
         super(AccountedOptimizer, self)._update_global_epoch(grad_scaler)
@@ -94,25 +119,58 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
             averager.missed = True
         elif alone:
             averager.step_alone()
-        applied = averager.rounds > rounds
+        # The epoch's claim, with the samples this peer sent; those its round averaged in are known once the round
+        # has ended (``_end_round``), and replace them
+        sent = 0 if alone and behind else int(averager.last_weight)
+        self.finished_epochs.append(FinishedEpoch(self.local_epoch - 1, sent))
+        self._round = _OuterRound(self.local_epoch - 1, rounds, alone)
+        self._round_running = True
+        self.collect_rounds()  # the round is over already unless it overlaps the next inner steps
+
+    def collect_rounds(self) -> None:
+        """End the last outer round if it has ended in the background: apply it, take its receipts, and take the
+        swarm's outer state if it failed here (call between mini-steps)."""
+        if self._catch_up_tries and time.monotonic() >= self._catch_up_at and not self.leave.is_set():
+            self._catch_up()
+        if not self._round_running or self._update_pending():
+            return
+        self.state_averager.step(apply_delayed_updates=True)  # hivemind's next step would apply it: now
+        self._end_round()
+
+    def _end_round(self) -> None:
+        averager, outer_round = self.state_averager, self._round
+        applied = averager.rounds > outer_round.rounds_before
         weight = int(averager.last_weight) if applied else 0
-        self.finished_epochs.append(FinishedEpoch(self.local_epoch - 1, weight))
-        self._take_receipts()  # outer rounds run in the foreground: this one is over
+        self._take_receipts(samples=weight)
         if not self.client_mode:  # the freshest outer state is the one of the latest epoch
             averager.state_sharing_priority = averager.outer_epoch
         if applied:
-            what = "stepped alone (no other peer in the swarm) on" if alone else "averaged"
-            print(f"outer round {self.local_epoch - 1}: {what} this peer's {weight:,} samples", flush=True)
+            what = "stepped alone (no other peer in the swarm) on" if outer_round.alone else "averaged"
+            print(f"outer round {outer_round.epoch}: {what} this peer's {weight:,} samples", flush=True)
+        elif averager.missed and self.leave.is_set():
+            averager.missed = False  # leaving: its parameters are not used again
+            print(f"outer round {outer_round.epoch}: it failed here", flush=True)
         elif averager.missed:
             why = ("its peers averaged from newer outer parameters" if averager.stale else
-                   "another peer moved the swarm on first" if alone else "it failed here")
+                   "another peer moved the swarm on first" if outer_round.alone else "it failed here")
             averager.missed = False
-            print(f"outer round {self.local_epoch - 1}: {why}; taking the newest outer state from the swarm",
-                  flush=True)
-            loads = averager.loads
-            self.load_state_from_peers()
-            if averager.loads == loads:  # every peer missed it: they still share the outer parameters
-                print("no newer outer state in the swarm: training on from this peer's", flush=True)
+            print(f"outer round {outer_round.epoch}: {why}; taking the newest outer state from the swarm", flush=True)
+            self._catch_up_tries = CATCH_UP_TRIES if self._overlap else 1
+            self._catch_up()
+
+    def _catch_up(self) -> None:
+        """Look for a newer outer state after a missed round. Overlapped, the peers that averaged apply their round
+        at their next mini-step, so the first look may find none newer yet: it looks again ``CATCH_UP_SPACING`` later,
+        ``CATCH_UP_TRIES`` times in all, until this phase's round (which would find this peer stale)."""
+        self._catch_up_tries -= 1
+        loads = self.state_averager.loads
+        self.load_state_from_peers()
+        if self.state_averager.loads > loads:
+            self._catch_up_tries = 0
+        elif self._catch_up_tries:
+            self._catch_up_at = time.monotonic() + CATCH_UP_SPACING
+        else:  # every peer missed it: they still share the outer parameters
+            print("no newer outer state in the swarm: training on from this peer's", flush=True)
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         averager, loads, epoch = self.state_averager, self.state_averager.loads, self.local_epoch

@@ -184,7 +184,6 @@ def train(
                 last = unsettled[-1] if unsettled else contributions[-1] if contributions else None
                 on_status(status_of(opt, last))
         check_finite(task.model)
-        state = {k: v.clone() for k, v in task.model.state_dict().items()}
         # This peer's averager still holds parts of the last round that partners are receiving: leaving at once
         # would fail their round and split the model. A short grace lets it deliver them; the last claims are
         # published within it, once their rounds have ended (or as they stand at its end). It runs from when a
@@ -200,6 +199,8 @@ def train(
             contributions.extend(settled)
             every_contribution.extend(settled)
             publish()
+        # after the last round (an overlapped outer round is applied as it ends, within the grace)
+        state = {k: v.clone() for k, v in task.model.state_dict().items()}
         time.sleep(max(0.0, grace_ends - time.monotonic()))
         return TrainingResult(every_contribution, opt.local_epoch, state, finished=run_over, link=link)
     finally:
@@ -290,8 +291,10 @@ def take_settled(unsettled: deque, rounds_over: list, leaving: bool = False) -> 
     settled = []
     while unsettled and (rounds_over or leaving):
         receipts = rounds_over.pop(0) if rounds_over else RoundReceipts()
-        settled.append(unsettled.popleft().copy(update={"group": receipts.group, "aggregated": receipts.aggregated,
-                                                        "attested": receipts.attested}))
+        update = {"group": receipts.group, "aggregated": receipts.aggregated, "attested": receipts.attested}
+        if receipts.samples is not None:
+            update["samples"] = receipts.samples
+        settled.append(unsettled.popleft().copy(update=update))
     return settled
 
 

@@ -34,6 +34,7 @@ class RoundReceipts:
     group: str = ""
     aggregated: dict = field(default_factory=dict)
     attested: dict = field(default_factory=dict)
+    samples: Optional[int] = None  # the samples the round averaged in, where known only once it ended (local updates)
 
 
 class AccountedOptimizer(hivemind.Optimizer):
@@ -91,10 +92,10 @@ class AccountedOptimizer(hivemind.Optimizer):
         """Whether the last step's background work (its round, then its update) is still running."""
         return not all(update.done() for update in self.state_averager.pending_updates)
 
-    def _take_receipts(self) -> None:
+    def _take_receipts(self, samples: Optional[int] = None) -> None:
         group, aggregated = self.receipts.drain() if self.receipts is not None else (None, {})
         attested = self.receipts.take_attested() if self.receipts is not None else {}
-        self.rounds_over.append(RoundReceipts(group or "", aggregated, attested))
+        self.rounds_over.append(RoundReceipts(group or "", aggregated, attested, samples))
         self._round_running = False
 
     def shutdown(self) -> None:

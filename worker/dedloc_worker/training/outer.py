@@ -14,6 +14,7 @@ the outer parameters and the outer momentum, never another peer's drifting local
 from __future__ import annotations
 
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
@@ -52,13 +53,26 @@ class OuterOptimizer:
         return [outer - p.detach().to("cpu", torch.float32) for outer, p in zip(self.params, local)]
 
     @torch.no_grad()
-    def step(self, averaged: Sequence[torch.Tensor], local: Sequence[torch.Tensor]) -> None:
-        """Apply the swarm's averaged pseudo-gradient to the outer parameters and restart ``local`` from them."""
+    def step(self, averaged: Sequence[torch.Tensor], local: Sequence[torch.Tensor],
+             sent: Optional[Sequence[torch.Tensor]] = None) -> None:
+        """Apply the swarm's averaged pseudo-gradient to the outer parameters and restart ``local`` from them.
+
+        :param sent: where the round overlapped later inner steps, the pseudo-gradient this peer sent (its local
+          parameters then were the outer ones minus it): those later steps are kept, on top of the new outer
+          parameters, as delayed parameter updates keep a step's gradients (buffers reused)
+        """
+        if sent is not None:
+            for delta, outer in zip(sent, self.params):
+                delta.sub_(outer)  # minus the local parameters the round began from
         for outer, delta in zip(self.params, averaged):
             outer.grad = delta.to(torch.float32).clone()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        self.restart(local)
+        if sent is None:
+            self.restart(local)
+            return
+        for p, outer, began in zip(local, self.params, sent):
+            p.add_((began + outer).to(p.device, p.dtype))  # local - began_from + outer: its later drift, moved
 
     @torch.no_grad()
     def restart(self, local: Sequence[torch.Tensor]) -> None:
@@ -88,6 +102,9 @@ class PseudoGradientAverager(TrainingStateAverager):
 
     :param outer_lr: outer learning rate
     :param outer_momentum: outer Nesterov momentum
+    :param overlap: a round runs in the background while this peer trains on (``Optimizer(delay_state_averaging=
+      True)``); its result is applied to the outer parameters when it ends, and the inner steps taken meanwhile are
+      kept on top of them (``OuterOptimizer.step``'s ``sent``)
     :ivar samples: samples this peer trained since the last outer round: its weight in the next one (the caller adds
       to it; a round, failed or not, starts it again from 0)
     :ivar rounds: outer rounds this peer applied
@@ -98,7 +115,8 @@ class PseudoGradientAverager(TrainingStateAverager):
     :ivar missed: the last round failed here or averaged from an older base (``missed_rounds``: how many did)
     """
 
-    def __init__(self, *, outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM, **kwargs: Any):
+    def __init__(self, *, outer_lr: float = OUTER_LR, outer_momentum: float = OUTER_MOMENTUM, overlap: bool = False,
+                 **kwargs: Any):
         kwargs.update(offload_optimizer=False, reuse_tensors=False, delta_rule_averaging=False)
         # The outer state is served from a thread of this process while the training thread may be stepping it:
         # a download must see one round's parameters and momentum, not half of the next
@@ -106,6 +124,11 @@ class PseudoGradientAverager(TrainingStateAverager):
         if kwargs.get("average_opt_statistics") or kwargs.get("extra_tensors"):
             raise ValueError("outer rounds average the pseudo-gradient only")
         super().__init__(**kwargs)
+        self.overlap = overlap
+        if overlap:  # inner steps go through this executor too: one worker would queue them behind the round
+            self.step_executor.shutdown(wait=False)
+            self.step_executor = ThreadPoolExecutor(max_workers=2)
+        self._sent: Optional[list[torch.Tensor]] = None  # the pseudo-gradient of the round running
         self.outer = OuterOptimizer(self.main_parameters, lr=outer_lr, momentum=outer_momentum)
         self.samples = 0
         self.rounds = 0
@@ -142,6 +165,9 @@ class PseudoGradientAverager(TrainingStateAverager):
                 averaging_control = self._begin_round(weight=weight, timeout=opts.pop("timeout", None),
                                                       **{k: v for k, v in opts.items() if k != "weight"})
             self._round_base = self.outer_epoch
+            # taken here, in the training thread: the round copies it in the background, where an overlapped
+            # round's local parameters are already moving on
+            self._sent = self.outer.pseudo_gradients(self.main_parameters)
             self.attempts += 1
             averaging_opts = None  # the control is made: hivemind would warn of options it no longer uses
             self._round_control, self._round_weight, self.samples = averaging_control, weight, 0
@@ -165,12 +191,15 @@ class PseudoGradientAverager(TrainingStateAverager):
     @torch.no_grad()
     def _load_local_tensors_into_averager_(self) -> None:
         with self.get_tensors() as averaged:
-            for buffer, delta in zip(averaged, self.outer.pseudo_gradients(self.main_parameters)):
+            for buffer, delta in zip(averaged, self._sent):
                 buffer.copy_(delta)
 
     @torch.no_grad()
     def _apply_averaging_results_(self) -> None:
         control, self._round_control = self._round_control, None
+        sent, self._sent = self._sent, None
+        if self._round_base != self.outer_epoch:
+            return  # a state was loaded while the round ran in the background: it is newer than the round's base
         if control is None or not control.done() or control.cancelled() or control.exception() is not None:
             # hivemind calls this after a failed round too, its buffers holding this peer's own pseudo-gradient:
             # the outer parameters stay, and the caller takes the next outer state from the peers that averaged
@@ -190,7 +219,7 @@ class PseudoGradientAverager(TrainingStateAverager):
             self.missed_rounds += 1
             self.missed = True
             return
-        self._step_outer()
+        self._step_outer(sent if self.overlap else None)
 
     def _round_complete(self) -> bool:
         """Whether every part of the last round came back averaged."""
@@ -202,13 +231,16 @@ class PseudoGradientAverager(TrainingStateAverager):
         step takes this peer's own pseudo-gradient, so the outer parameters and their epoch move on while it is
         alone and a peer that joins takes where it got to."""
         self._round_base, self._round_weight, self.samples = self.outer_epoch, float(max(self.samples, 0)), 0
+        self._sent = self.outer.pseudo_gradients(self.main_parameters)
         with self.lock_averaging:
             self._load_local_tensors_into_averager_()
+            self._sent = None
             self._step_outer()
 
-    def _step_outer(self) -> None:
+    def _step_outer(self, sent: Optional[list[torch.Tensor]] = None) -> None:
+        """The outer step from the averaging buffers; ``sent``: see ``OuterOptimizer.step``."""
         with self.get_tensors() as averaged, self.outer_lock:
-            self.outer.step([tensor.clone() for tensor in averaged], self.main_parameters)
+            self.outer.step([tensor.clone() for tensor in averaged], self.main_parameters, sent=sent)
             self.rounds += 1
             self.outer_epoch = self._round_base + 1
         self.local_epoch = max(self.local_epoch, self.outer_epoch)
