@@ -5,6 +5,7 @@ loader that gets the outer state, not a peer's drifting local one. Two real hive
 from __future__ import annotations
 
 import gc
+import math
 import threading
 
 import hivemind
@@ -253,3 +254,61 @@ def test_a_peer_alone_takes_the_outer_step_on_its_own_pseudo_gradient():
     finally:
         alone.shutdown()
         dht.shutdown()
+
+
+# Poisoned outer rounds: three peers, one of them sending a poisoned pseudo-gradient. The honest pseudo-gradient is
+# about 6.5 in norm (1,056 values near 0.2), well above the run's default tau of 1.0, the robust rule's reach.
+HONEST, SPREAD = 0.2, 0.01
+ATTACKS = {"x1000": lambda delta: delta * 1000, "flip": lambda delta: -delta, "nan": lambda delta: delta * math.nan}
+HARM = 0.25  # the outer step may part from the honest peers' mean by this share of its norm with CenteredClip
+
+
+@pytest.fixture(scope="module")
+def poisoned_steps(dhts):
+    """{(aggregation, attack): (the honest peers' outer steps, the honest mean)} from one round per attack, each from
+    zero outer parameters (outer lr 1 without momentum: the outer step is the averaged pseudo-gradient)."""
+    from dedloc_common.contract import OptimizerOptions
+    from dedloc_worker.averaging.robust import RobustRule
+    from dedloc_worker.training.outer import OuterAverager
+
+    defaults = OptimizerOptions()
+    rules = {"centered_clip": RobustRule(tau=defaults.clip_radius, iterations=defaults.clip_iterations),
+             "mean": None}
+    generator, steps = torch.Generator().manual_seed(5), {}
+    for aggregation, rule in rules.items():
+        peers = [OuterAverager(dht=dht, prefix=f"poisoned_{aggregation}", params=torch.nn.Linear(32, 32).parameters(),
+                               optimizer=lambda ps: torch.optim.SGD(ps, lr=0.1), outer_lr=1.0, outer_momentum=0.0,
+                               robust=rule, allow_state_sharing=False, start=True, target_group_size=3,
+                               min_group_size=3, min_matchmaking_time=1.0, request_timeout=0.5) for dht in dhts]
+        try:
+            for attack, poison in ATTACKS.items():
+                deltas = [HONEST + SPREAD * torch.randn(1056, generator=generator) for _ in range(3)]
+                deltas[2] = poison(deltas[2])
+                for peer, delta in zip(peers, deltas):
+                    zeros = [torch.zeros_like(p) for p in peer.main_parameters]
+                    peer.outer.load(zeros, zeros)
+                    peer.outer_epoch = peer.local_epoch = 0
+                    with torch.no_grad():  # local = outer - delta: the pseudo-gradient is delta
+                        torch.nn.utils.vector_to_parameters(-delta, peer.main_parameters)
+                    peer.samples = 100
+                run_round(peers)
+                steps[aggregation, attack] = ([-torch.nn.utils.parameters_to_vector(peer.outer.params)
+                                               for peer in peers[:2]], (deltas[0] + deltas[1]) / 2)
+        finally:
+            for peer in peers:
+                peer.shutdown()
+    return steps
+
+
+def parting(step: torch.Tensor, honest: torch.Tensor) -> float:
+    """How far an outer step parts from the honest mean, over that mean's norm (inf where it is not finite)."""
+    return float((step - honest).norm() / honest.norm()) if torch.isfinite(step).all() else math.inf
+
+
+@pytest.mark.parametrize("attack", ATTACKS)
+def test_a_poisoned_pseudo_gradient_is_clipped_and_the_plain_mean_shows_the_harm(poisoned_steps, attack):
+    clipped, honest = poisoned_steps["centered_clip", attack]
+    assert all(parting(step, honest) <= HARM for step in clipped), [parting(s, honest) for s in clipped]
+    assert all(torch.any(step != 0) for step in clipped), "no outer step was taken"
+    unclipped, honest = poisoned_steps["mean", attack]
+    assert all(parting(step, honest) > HARM for step in unclipped), [parting(s, honest) for s in unclipped]
