@@ -192,6 +192,10 @@ class Contribution(Base):
     # How long the epoch lasted at most as the coordinator's clock saw it (snapshots): the ceiling's time, and the
     # cap on the runtime credited. None until settled.
     observed_seconds: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    # Seconds of the epoch the peer spent computing, and payload bytes it sent in the epoch's round, as it reported
+    # them (the progress API's per-peer figures); None where a worker did not say.
+    compute_seconds: Mapped[Optional[float]] = mapped_column(Float, nullable=True)
+    sent_bytes: Mapped[Optional[int]] = mapped_column(BigInteger, nullable=True)
 
 
 class Receipt(Base):

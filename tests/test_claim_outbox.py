@@ -57,12 +57,13 @@ def test_a_record_from_a_worker_before_members_still_parses():
 
 def full_claim(epoch: int, size: int = 8) -> EpochContribution:
     """A claim as a worker in a round of ``size`` sends it: the round's members, receipts for every other member's
-    part, a gradient sketch (about 1.2 KB of JSON for 8)."""
+    part, a gradient sketch, seconds computing and bytes sent (about 1.3 KB of JSON for 8)."""
     members = [f"12D3KooWPeer{epoch % 97:02d}x{i:02d}" + "A" * 32 for i in range(size)]
     group = f"{epoch:032x}"
     return EpochContribution(epoch=epoch, samples=2048 + epoch % 7, loss_sum=12.3456789 + epoch, mini_steps=64,
                              seconds=1.8, group=group, aggregated={group: {m: 2048.0 for m in members[1:]}},
-                             members=members, sketch=encode_sketch([0.1] * 64))
+                             members=members, sketch=encode_sketch([0.1] * 64), compute_seconds=1.234,
+                             sent_bytes=1_234_567)
 
 
 def test_the_outbox_keeps_what_is_not_acknowledged_within_its_caps(tmp_path):
@@ -121,7 +122,7 @@ def test_an_hour_of_claims_without_a_coordinator_all_reach_it_when_it_returns():
         assert polls < 200
     assert database == {epoch: made[epoch] for epoch in range(3600)}
     assert outbox.pending == {} and [c.epoch for c in outbox.record.recent] == [3599]  # the newest, for its loss
-    assert polls <= 3600 * 1300 // PENDING_CLAIMS_BYTES + 1  # about 40 claims a record: a few minutes of polls
+    assert polls <= 3600 * 1350 // PENDING_CLAIMS_BYTES + 1  # about 40 claims a record: a few minutes of polls
 
     for epoch in range(3600, CLAIMS_HELD + 3600):  # another outage: two hours' worth held, then the oldest go
         outbox.outgoing(record_of([full_claim(epoch)]))

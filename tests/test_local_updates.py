@@ -112,6 +112,13 @@ def test_three_workers_train_in_outer_rounds_and_are_credited_each_sample_once(d
     lost = [row for row in held if row["group"] in full_peers]  # another full peer was in the round
     assert sum(row["held"] for row in lost) <= OUTER_BATCH, (credit, held)  # one round's share at most
     assert credit["bob"][0] > 0
+
+    # Each claim says how long its peer computed and what it sent in the round: the progress API shows, per peer and
+    # round, the bytes sent per sample averaged in and the share of the time spent computing
+    progress = httpx.get(f"{deployment.url}/api/v1/runs/{deployment.slug}/progress").raise_for_status().json()
+    shown = [peer for outer_round in progress["recent_rounds"] for peer in outer_round["peers"]]
+    assert shown and all(0 < peer["compute_share"] <= 1 for peer in shown), shown
+    assert all(peer["bytes_per_sample"] > 0 for peer in shown), shown
     assert all(count == 1 for _, _, count in deployment.rows_per_epoch())
 
     # The checkpoints hold the outer parameters and the outer momentum, and load with from_pretrained.

@@ -70,8 +70,10 @@ def test_the_progress_and_the_dashboard_name_the_training_algorithm(sessions, da
         # two outer rounds; an epoch is an outer round of 8,192 samples, so 10 left at 1,024 samples/s take 80 s
         session.add(snapshot(local_run, 2, 1024.0, 1))
         session.add_all([Contribution(run_id=local_run.id, peer_key=name, epoch=epoch, username=name, samples=samples,
-                                      loss_sum=1.0, mini_steps=samples // 16, seconds=8.04, group_id=f"g{epoch}")
-                         for epoch in (0, 1) for name, samples in (("ann", 6144), ("ben", 2048))])
+                                      loss_sum=1.0, mini_steps=samples // 16, seconds=8.04, group_id=f"g{epoch}",
+                                      compute_seconds=compute, sent_bytes=sent)
+                         for epoch in (0, 1)
+                         for name, samples, compute, sent in (("ann", 6144, 6.03, 614_400), ("ben", 2048, None, None))])
         session.commit()
     with TestClient(create_app(Settings(database_url=database_url, data_dir=tmp_path))) as client:
         local = client.get("/api/v1/runs/dil/progress").json()
@@ -79,11 +81,15 @@ def test_the_progress_and_the_dashboard_name_the_training_algorithm(sessions, da
         assert local["eta_seconds"] == 80.0
         assert [r["epoch"] for r in local["recent_rounds"]] == [1, 0]
         assert local["recent_rounds"][0]["peers"] == [
-            {"username": "ann", "inner_steps": 384, "samples": 6144, "seconds": 8.0},
-            {"username": "ben", "inner_steps": 128, "samples": 2048, "seconds": 8.0}]
+            {"username": "ann", "inner_steps": 384, "samples": 6144, "seconds": 8.0, "bytes_per_sample": 100.0,
+             "compute_share": 0.75},
+            # a worker that did not report them
+            {"username": "ben", "inner_steps": 128, "samples": 2048, "seconds": 8.0, "bytes_per_sample": None,
+             "compute_share": None}]
         page = " ".join(client.get("/runs/dil").text.split())
         assert "an outer round every 8,192 samples" in page and "Outer round 2 of 12" in page
-        assert "<td>1</td><td>ann</td><td>384</td> <td>6,144</td>" in page
+        assert "<td>1</td><td>ann</td><td>384</td> <td>6,144</td><td>8.0</td> <td>100.0</td> <td>75%</td>" in page
+        assert "<td>1</td><td>ben</td><td>128</td> <td>2,048</td><td>8.0</td> <td>-</td> <td>-</td>" in page
         large = client.get("/api/v1/runs/big/progress").json()
         assert (large["algorithm"], large["outer_batch_size"], large["recent_rounds"]) == ("large-batch", None, [])
         assert "one optimizer step every 256 samples" in " ".join(client.get("/runs/big").text.split())

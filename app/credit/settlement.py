@@ -112,6 +112,7 @@ def credit_epochs(session: Session, run: Run, seen: Sequence[SignedMetrics]) -> 
             username=known.get(item.peer_key, (item.record.username,))[0],
             samples=c.samples, loss_sum=c.loss_sum, mini_steps=c.mini_steps, seconds=c.seconds,
             credited=0, held=c.samples, reason=None, group_id=c.group, members=list(c.members),
+            compute_seconds=c.compute_seconds, sent_bytes=c.sent_bytes,
         )
         for item in seen for c in item.record.recent
     }

@@ -23,6 +23,10 @@ class PeerInRound(BaseModel):
     inner_steps: int  # mini-batches, each an inner optimizer step
     samples: int
     seconds: float  # from the peer's previous outer round to the end of this one
+    # payload bytes the peer sent in the round per sample it averaged in, and the share of its seconds spent in
+    # forward and backward passes; None where its worker did not report them
+    bytes_per_sample: Optional[float] = None
+    compute_share: Optional[float] = None
 
 
 class RoundDetail(BaseModel):
@@ -111,6 +115,9 @@ def recent_rounds(session: Session, run: Run, count: int = RECENT_ROUNDS) -> lis
     rounds: dict[int, RoundDetail] = {}
     for row in rows:
         detail = rounds.setdefault(row.epoch, RoundDetail(epoch=row.epoch, peers=[]))
-        detail.peers.append(PeerInRound(username=row.username, inner_steps=row.mini_steps, samples=row.samples,
-                                        seconds=round(row.seconds, 1)))
+        detail.peers.append(PeerInRound(
+            username=row.username, inner_steps=row.mini_steps, samples=row.samples, seconds=round(row.seconds, 1),
+            bytes_per_sample=None if row.sent_bytes is None else round(row.sent_bytes / row.samples, 1),
+            compute_share=None if row.compute_seconds is None or row.seconds <= 0
+            else round(min(row.compute_seconds / row.seconds, 1.0), 3)))
     return list(rounds.values())

@@ -258,6 +258,11 @@ class EpochContribution(pydantic_v1.BaseModel):
     # Attestations: group -> PeerID -> what this peer, as an aggregator, cut from that sender or missed of its parts
     # (only senders whose receipt is less than their weight, or cut at all): see Attestation.
     attested: Dict[pydantic_v1.StrictStr, Dict[pydantic_v1.StrictStr, "Attestation"]] = {}
+    # Seconds of the epoch spent computing (forward and backward passes) and payload bytes this peer sent in the
+    # epoch's round (dedloc_worker.averaging.planned.Transfers); None where unknown (a worker before these fields, a
+    # round that did not form here).
+    compute_seconds: Optional[StrictNonNegativeFloat] = None
+    sent_bytes: Optional[StrictNonNegativeInt] = None
 
 
 class Attestation(pydantic_v1.BaseModel):

@@ -133,6 +133,7 @@ class RoundOutcome:
       (``averaging.robust.Attestation.as_record``)
     :param transfers: the payload bytes the round moved over the network, as this peer counted them (read when
       the outcome is asked for: an aggregator may still be streaming results to a slower member)
+    :param group: the round's group id (hex), as receipts name it
     :param left_out: PeerID -> why that member was left out of the round (``averaging.announcements.split_group``); this
       peer's own PeerID there: it took no part
     """
@@ -153,6 +154,7 @@ class RoundOutcome:
     attested: Dict[str, dict] = field(default_factory=dict)
     transfers: Transfers = field(default_factory=Transfers)
     left_out: Dict[str, str] = field(default_factory=dict)
+    group: str = ""
 
     @property
     def seconds(self) -> float:
@@ -417,7 +419,8 @@ class PlannedAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, Decent
                 None, self._split, peer_ids, bandwidths, modes, announcements, min_vector_size
             )
             outcome = RoundOutcome(peer_ids=peer_ids, fractions=list(split.fractions), planned=split.planned,
-                                   total_elements=self.total_size, left_out=dict(split.left_out))
+                                   total_elements=self.total_size, left_out=dict(split.left_out),
+                                   group=group_info.group_id.hex())
             self._last_round = outcome
             if str(self.peer_id) in outcome.left_out:  # its peers refuse its parts: nothing to run
                 raise MatchmakingException(f"left out of the round: it {outcome.left_out[str(self.peer_id)]}")

@@ -39,6 +39,7 @@ class EpochTally:
     epoch: int
     loss_sum: float = 0.0
     mini_steps: int = 0
+    compute_seconds: float = 0.0  # forward and backward passes
     started: float = field(default_factory=time.monotonic)
     gradients: Optional[GradientSum] = None  # for the sketch spot checks compare; None when the task is uncheckable
 
@@ -244,9 +245,11 @@ def mini_step(task, config: RunConfig, opt, tally: EpochTally, scaler=None) -> b
     """One local mini-batch: forward, backward, and hand the gradients to the collaborative optimizer. False when
     float16 gradients overflowed: hivemind then drops every gradient accumulated in the epoch, and the caller starts
     the epoch's tally again (the rejected mini-steps are neither counted nor sketched)."""
+    began = time.perf_counter()
     try:
         loss = task.batch_loss(config.batch_size)
         (scaler.scale(loss) if scaler is not None else loss).backward()
+        tally.compute_seconds += time.perf_counter() - began
     except WorkerError:
         raise
     except Exception as e:  # a task is a plugin: say which one failed, in one line
@@ -281,6 +284,7 @@ def close_epoch(tally: EpochTally, finished) -> EpochContribution:
         loss_sum=float(tally.loss_sum),
         mini_steps=tally.mini_steps,
         seconds=round(time.monotonic() - tally.started, 3),
+        compute_seconds=round(tally.compute_seconds, 3),
         sketch=tally.gradients.sketch() if tally.gradients is not None else "",
     )
 
@@ -294,6 +298,8 @@ def take_settled(unsettled: deque, rounds_over: list, leaving: bool = False) -> 
         update = {"group": receipts.group, "aggregated": receipts.aggregated, "attested": receipts.attested}
         if receipts.samples is not None:
             update["samples"] = receipts.samples
+        if receipts.sent_bytes is not None:
+            update["sent_bytes"] = receipts.sent_bytes
         settled.append(unsettled.popleft().copy(update=update))
     return settled
 

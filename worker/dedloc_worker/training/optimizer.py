@@ -16,6 +16,7 @@ import hivemind
 # left (hivemind's Optimizer.shutdown would wait an averaging timeout): partners receive its parts, and Ctrl-C stays
 # quick
 LEAVE_GRACE = 2.0
+ROUND_OUTCOME_WAIT = 2.0  # seconds to wait for the averager's account of a round (its process answers in ms)
 
 
 @dataclass
@@ -35,6 +36,7 @@ class RoundReceipts:
     aggregated: dict = field(default_factory=dict)
     attested: dict = field(default_factory=dict)
     samples: Optional[int] = None  # the samples the round averaged in, where known only once it ended (local updates)
+    sent_bytes: Optional[int] = None  # payload bytes this peer sent in the round; None where it formed none here
 
 
 class AccountedOptimizer(hivemind.Optimizer):
@@ -95,8 +97,18 @@ class AccountedOptimizer(hivemind.Optimizer):
     def _take_receipts(self, samples: Optional[int] = None) -> None:
         group, aggregated = self.receipts.drain() if self.receipts is not None else (None, {})
         attested = self.receipts.take_attested() if self.receipts is not None else {}
-        self.rounds_over.append(RoundReceipts(group or "", aggregated, attested, samples))
+        self.rounds_over.append(RoundReceipts(group or "", aggregated, attested, samples, self._sent_bytes(group)))
         self._round_running = False
+
+    def _sent_bytes(self, group: Optional[str]) -> Optional[int]:
+        """Payload bytes this peer sent in round ``group`` (hex), if that is its averager's last round."""
+        if not group:
+            return None
+        try:
+            outcome = self.averager.last_round(timeout=ROUND_OUTCOME_WAIT)
+        except Exception:  # the averager is gone (leaving) or busy: the claim goes without it
+            return None
+        return outcome.transfers.sent if outcome is not None and outcome.group == group else None
 
     def shutdown(self) -> None:
         self._leaving = True
