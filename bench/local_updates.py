@@ -105,6 +105,7 @@ CASES = [
     Case("local-updates waiting", "local-updates", "fp16", epochs=5, skip=1, overlap=False),
     Case("local-updates uint8", "local-updates", "uint8", epochs=5, skip=1),
     Case("local-updates 8 steps", "local-updates", "fp16", epochs=9, skip=1, outer_steps=8),
+    Case("local-updates 8 steps waiting", "local-updates", "fp16", epochs=9, skip=1, outer_steps=8, overlap=False),
     Case("local-updates 64 steps", "local-updates", "fp16", epochs=4, skip=1, outer_steps=64),
     # DiLoCo's outer momentum of 0.9 is tuned for hundreds of rounds; a run of a few rounds, as here, with 0.5
     Case("local-updates momentum 0.5", "local-updates", "fp16", epochs=5, skip=1, outer_momentum=0.5),

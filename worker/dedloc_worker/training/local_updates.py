@@ -8,6 +8,7 @@ reach the run's outer batch, and each epoch is an outer round of the state avera
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Any, Optional
@@ -21,6 +22,10 @@ logger = get_logger(__name__)
 
 # After a missed overlapped round: looks for a newer outer state, this many seconds apart
 CATCH_UP_TRIES, CATCH_UP_SPACING = 3, 1.0
+# A round overlaps the next inner steps while the last one took at most this share of its phase: the inner steps
+# taken during a round start from parameters one outer step old, which cost little at 16% (held-out loss 1.663
+# overlapped, 1.669 waiting) and much at 64% (2.69 against 1.74; bench/results/local_updates.md)
+OVERLAP_SHARE = 0.25
 
 
 @dataclass
@@ -56,7 +61,12 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
         super().__init__(*args, **kwargs)
         self._overlap = overlap
         self._round: Optional[_OuterRound] = None
+        self._phase_seconds = 0.0
         self._catch_up_tries, self._catch_up_at = 0, 0.0
+        self._phase_began = self._round_began = time.monotonic()
+        # the last round's seconds over its phase's; unknown before the first round with others, which waits
+        self._round_share = math.inf
+        self.delay_state_averaging = False
 
     def _make_state_averager(self, **kwargs: Any) -> OuterAverager:
         kwargs.pop("delta_rule_averaging", None)  # the outer averager applies results its own way
@@ -108,6 +118,14 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
             averager.step(wait_for_delayed_updates=True)
             self.collect_rounds()
         self._catch_up_tries = 0  # this round finds out whether the peer is behind
+        now = time.monotonic()
+        overlap = self._overlap and self._round_share <= OVERLAP_SHARE
+        if overlap != self.delay_state_averaging and self._overlap:
+            print(f"outer rounds take {self._round_share:.0%} of a phase: the next ones " +
+                  ("run while this peer trains on" if overlap else "wait for their round (inner steps taken from "
+                   "parameters one outer step old cost quality there)"), flush=True)
+        self.delay_state_averaging = overlap  # hivemind reads it as it begins the round
+        self._phase_seconds, self._phase_began, self._round_began = now - self._phase_began, now, now
         rounds, attempts = averager.rounds, averager.attempts
         behind = self.local_epoch < self.tracker.global_epoch  # a peer moved the swarm on before this one
         super(AccountedOptimizer, self)._update_global_epoch(grad_scaler)
@@ -139,6 +157,8 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
 
     def _end_round(self) -> None:
         averager, outer_round = self.state_averager, self._round
+        if not outer_round.alone:
+            self._round_share = (time.monotonic() - self._round_began) / max(self._phase_seconds, 1e-3)
         applied = averager.rounds > outer_round.rounds_before
         weight = int(averager.last_weight) if applied else 0
         self._take_receipts(samples=weight)

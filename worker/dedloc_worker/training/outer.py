@@ -13,19 +13,28 @@ the outer parameters and the outer momentum, never another peer's drifting local
 
 from __future__ import annotations
 
+import asyncio
+import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
+from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.state_averager import TrainingStateAverager
-from hivemind.utils import get_logger
+from hivemind.p2p import PeerID
+from hivemind.proto import averaging_pb2
+from hivemind.utils import MPFuture, get_logger
+from hivemind.utils.asyncio import aiter_with_timeout
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import ValueWithExpiration
 
 from dedloc_worker.averaging.planned import PlannedAverager
 from dedloc_worker.swarm.leaving import RemembersRounds
 
 logger = get_logger(__name__)
 
+SOURCES_ASKED = 3  # peers a state download asks, by declared priority, for a newer outer state
 OUTER_LR = 0.7  # DiLoCo's outer learning rate and Nesterov momentum (section 3 of the paper)
 OUTER_MOMENTUM = 0.9
 
@@ -129,6 +138,7 @@ class PseudoGradientAverager(TrainingStateAverager):
             self.step_executor.shutdown(wait=False)
             self.step_executor = ThreadPoolExecutor(max_workers=2)
         self._sent: Optional[list[torch.Tensor]] = None  # the pseudo-gradient of the round running
+        self._round_overlapped = False  # the round running runs in the background
         self.outer = OuterOptimizer(self.main_parameters, lr=outer_lr, momentum=outer_momentum)
         self.samples = 0
         self.rounds = 0
@@ -165,6 +175,7 @@ class PseudoGradientAverager(TrainingStateAverager):
                 averaging_control = self._begin_round(weight=weight, timeout=opts.pop("timeout", None),
                                                       **{k: v for k, v in opts.items() if k != "weight"})
             self._round_base = self.outer_epoch
+            self._round_overlapped = self.overlap and bool(kwargs.get("delay_averaging"))
             # taken here, in the training thread: the round copies it in the background, where an overlapped
             # round's local parameters are already moving on
             self._sent = self.outer.pseudo_gradients(self.main_parameters)
@@ -219,7 +230,7 @@ class PseudoGradientAverager(TrainingStateAverager):
             self.missed_rounds += 1
             self.missed = True
             return
-        self._step_outer(sent if self.overlap else None)
+        self._step_outer(sent if self._round_overlapped else None)
 
     def _round_complete(self) -> bool:
         """Whether every part of the last round came back averaged."""
@@ -260,19 +271,18 @@ class PseudoGradientAverager(TrainingStateAverager):
         metadata = dict(metadata, epoch=epoch, outer_rounds=rounds, optimizer_metadata=None)
         return metadata, outer_tensors, outer_infos
 
-    def load_state_from_peers(self, **kwargs: Any):
-        """Take the newest outer state a peer serves and restart the local parameters from it."""
-        from hivemind.averaging import DecentralizedAverager
-
-        loaded = DecentralizedAverager.load_state_from_peers(self, **kwargs)
+    def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
+        """Take the newest outer state a peer serves, if it is newer than this peer's, and restart the local
+        parameters from it."""
+        future = MPFuture()
+        self._outer_pipe.send(("_download_newer", [], dict(newer_than=self.outer_epoch, timeout=timeout,
+                                                           future=future)))
+        loaded = future.result()
         if loaded is None:
+            logger.log(self.status_loglevel, "the swarm's newest outer state is no newer than this peer's")
             return None
         metadata, tensors = loaded
         count = len(self.outer.params)
-        if not isinstance(metadata.get("epoch"), int) or metadata["epoch"] <= self.outer_epoch:
-            # the same epoch's outer parameters are this peer's own (every peer steps from the same base)
-            logger.log(self.status_loglevel, "the swarm's newest outer state is no newer than this peer's")
-            return None
         if len(tensors) != 2 * count:
             logger.warning(f"not loading an outer state of {len(tensors)} tensors; this model has {count} parameters")
             return None
@@ -286,6 +296,57 @@ class PseudoGradientAverager(TrainingStateAverager):
         self.local_epoch = max(self.local_epoch, metadata["epoch"])
         self._update_scheduler()
         return True
+
+
+    async def _download_newer(self, future: MPFuture, newer_than: int, timeout: Optional[float] = None) -> None:
+        """In the averager's process: the outer state of the first peer, by the priority they declare (their outer
+        epoch, at most ``PRIORITY_SPACING`` stale), whose state is of an epoch after ``newer_than``: (metadata,
+        tensors), or None. A peer's metadata comes first in its stream, so a state no newer is dropped there: a
+        peer that missed a round asks again a second later, and a whole download to learn that no peer had a newer
+        state took seconds on a slow link, long enough to miss the next round too (bench/results/local_updates.md)."""
+        timeout = self.next_chunk_timeout if self.next_chunk_timeout is not None else self.request_timeout
+        try:
+            key_manager = self._matchmaking.group_key_manager
+            declared, _ = self.dht.get(f"{key_manager.prefix}.all_averagers", latest=True) or ({}, None)
+            priority = {PeerID(peer): (float(info.value), random.random()) for peer, info in
+                        (declared.items() if isinstance(declared, dict) else ())
+                        if isinstance(info, ValueWithExpiration) and isinstance(info.value, (float, int))}
+            for peer in sorted(priority, key=priority.get, reverse=True)[:SOURCES_ASKED + 1]:
+                if peer == self.peer_id:
+                    continue
+                try:
+                    found = await self._download_if_newer(peer, newer_than, timeout)
+                except Exception as e:
+                    logger.warning(f"could not download the outer state from peer {peer}: {e!r}")
+                    continue
+                if found is not None and not all(torch.isfinite(tensor).all() for tensor in found[1]):
+                    logger.warning(f"refused the outer state of peer {peer}: it is not finite; asking another")
+                elif found is not None:
+                    future.set_result(found)
+                    return
+        finally:
+            if not future.done():
+                future.set_result(None)
+
+    async def _download_if_newer(self, peer: PeerID, newer_than: int, timeout: Optional[float]):
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        # bounded: a peer killed a moment ago can leave its libp2p daemon answering for it, and a stream opened there
+        # never yields (a worker waited on one for minutes)
+        stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
+        metadata, parts, tensors = None, [], []
+        async for message in aiter_with_timeout(stream, timeout=timeout):
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+                epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
+                if not isinstance(epoch, int) or epoch <= newer_than:
+                    return None  # the rest of its stream is dropped with it
+            if message.tensor_part.dtype and parts:  # a new tensor begins
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        return (metadata, tensors) if metadata is not None else None
 
 
 class OuterAverager(PseudoGradientAverager, PlannedAverager, RemembersRounds):

@@ -1,0 +1,388 @@
+"""Volunteers coming and going for a while: a seeded schedule of joins, Ctrl-C leaves, SIGKILLs, coordinator and
+portal restarts and a ban, on a real portal, coordinator and tiny-lm workers (loopback), then a checker that reads
+the history (docs/benchmarks.md#soak).
+
+    python -m bench.soak [--minutes 30] [--seed 1] [--algorithm large-batch|local-updates] [--workers 6]
+
+The schedule (``schedule``) draws an event every ``EVENT_SECONDS`` on average from the seed, keeping at least
+``MIN_RUNNING`` workers training; the run's founder starts first and the others join once it trains. A sampler
+records each long-lived process tree's RSS, open files and threads every ``SAMPLE_SECONDS``. At the end every worker
+leaves with Ctrl-C, the coordinator settles what they published, and the checker (``check``) reads the database, the
+logs and the sampler's series. Each run appends one row to ``bench/results/soak.json`` (and the table in
+``soak.md``); the row says what the checker counted, not whether it is good: the bounds are in the issue and the note.
+
+Not yet here: network namespaces with emulated links and NAT, 30-second link drops, a token that expires during a
+portal outage, dashboard viewers; the 5-minute variant in ``make test``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Optional
+
+import httpx
+import psutil
+from dedloc_common.contract import LOOPBACK_OPTIMIZER
+
+from app.core.processes import kill_group, spawn, stop_all
+from bench import write_results
+
+RESULTS = Path("bench/results")
+EVENT_SECONDS = 40.0  # mean time between two scheduled events
+MIN_RUNNING = 2  # a leave or kill never takes the swarm below this many training workers
+SAMPLE_SECONDS = 60.0  # the issue's: every minute (a run under 10 minutes samples every 10 s)
+WARM_UP_SHARE = 0.25  # growth is fitted after this share of the run
+BAN_BOUND_SECONDS = 60.0  # docs/architecture.md: a ban reaches a running peer within 30 s; a round's claim after it
+SETTLE_SECONDS = 45.0  # the coordinator's time to settle the last claims after the workers left
+TARGET_BATCH, BATCH = 1024, 16
+# (event, weight): what the schedule draws from
+EVENTS = (("join", 4), ("leave", 2), ("kill", 2), ("restart-coordinator", 1), ("restart-portal", 1))
+TRACEBACK = "Traceback (most recent call last)"
+
+
+@dataclass
+class Soak:
+    """The processes of one soak run, its schedule's record and the sampler's series."""
+
+    work: Path
+    url: str
+    env: dict
+    workers: int
+    portal: Optional[subprocess.Popen] = None
+    coordinator: Optional[subprocess.Popen] = None
+    running: dict = field(default_factory=dict)  # username -> Popen
+    done: list = field(default_factory=list)  # (username, Popen) of workers that left or were killed
+    events: list = field(default_factory=list)  # {"at": unix time, "event": ..., "user": ...}
+    samples: list = field(default_factory=list)  # {"at", "process", "rss", "fds", "threads"}
+    banned: Optional[str] = None
+    banned_at: Optional[float] = None
+
+    def log(self, name: str) -> Path:
+        return self.work / "logs" / f"{name}.log"
+
+    def cli(self, *args: str) -> subprocess.CompletedProcess:
+        return subprocess.run([sys.executable, "-m", "app.cli", *args], env={**os.environ, **self.env},
+                              capture_output=True, text=True, timeout=120)
+
+    def start_portal(self) -> None:
+        self.portal = spawn([sys.executable, "-m", "app.cli", "serve"], log=self.log("portal"), env=self.env)
+
+    def start_coordinator(self) -> None:
+        self.coordinator = spawn([sys.executable, "-m", "app.cli", "coordinator", "--run", "soak"],
+                                 log=self.log("coordinator"), env=self.env)
+
+    def start_worker(self, user: str) -> None:
+        credential = self.cli("issue-credential", user).stdout.strip()
+        count = sum(1 for name, _ in self.done if name == user)  # a worker's later sessions log apart
+        name = user if not count else f"{user}.{count}"
+        self.running[user] = spawn(
+            [sys.executable, "-m", "dedloc_worker", "join", self.url, "--run", "soak", "--threads", "1",
+             "--listen", "/ip4/127.0.0.1/tcp/0", "--report", str(self.work / f"{name}.json")],
+            log=self.log(name), env={**self.env, "DEDLOC_WORKER_CREDENTIAL": credential})
+
+    def stop_worker(self, user: str, sig: int) -> None:
+        """Ctrl-C (SIGINT: the worker leaves within its grace), or SIGKILL to its whole process group at once (its
+        DHT daemon and averagers too: a machine that lost power)."""
+        proc = self.running.pop(user)
+        if sig == signal.SIGINT:
+            stop_all([proc], grace=30, sig=sig)
+        else:
+            kill_group(proc.pid)
+        proc.wait(30)
+        self.done.append((user, proc))
+
+    def note(self, event: str, user: str = "") -> None:
+        self.events.append(dict(at=time.time(), event=event, user=user))
+        print(f"{time.strftime('%H:%M:%S')} {event} {user}".rstrip(), flush=True)
+
+
+def schedule(seed: int, seconds: float) -> list[tuple[float, str]]:
+    """(seconds from the start, event) drawn from ``seed``: exponential gaps of mean ``EVENT_SECONDS``, one ban at
+    about the middle."""
+    rng, at, events = random.Random(seed), 0.0, []
+    kinds, weights = zip(*EVENTS)
+    while True:
+        at += rng.expovariate(1 / EVENT_SECONDS)
+        if at >= seconds - 60:  # the last minute runs undisturbed before the workers leave
+            break
+        events.append((at, rng.choices(kinds, weights)[0]))
+    events.append((seconds / 2, "ban"))
+    return sorted(events)
+
+
+def apply(soak: Soak, event: str, rng: random.Random, users: list[str]) -> None:
+    idle = [u for u in users if u not in soak.running and u != soak.banned]
+    live = [u for u in soak.running if u != soak.banned]
+    if event == "join" and idle:
+        user = rng.choice(idle)
+        soak.start_worker(user)
+        soak.note("join", user)
+    elif event in ("leave", "kill") and len(live) > MIN_RUNNING:
+        user = rng.choice(live)
+        soak.stop_worker(user, signal.SIGINT if event == "leave" else signal.SIGKILL)
+        soak.note(event, user)
+    elif event == "restart-coordinator":
+        stop_all([soak.coordinator], grace=10)
+        soak.note("coordinator down")
+        time.sleep(5)
+        soak.start_coordinator()
+        soak.note("coordinator up")
+    elif event == "restart-portal":
+        stop_all([soak.portal], grace=10)
+        soak.note("portal down")
+        time.sleep(5)
+        soak.start_portal()
+        soak.note("portal up")
+    elif event == "ban" and live:
+        user = rng.choice(live)
+        result = soak.cli("ban", "soak", user, "--reason", "soak bench")
+        if result.returncode == 0:
+            soak.banned, soak.banned_at = user, time.time()
+            soak.note("ban", user)
+
+
+def sample(soak: Soak) -> None:
+    """RSS, open files and threads of each long-lived process tree (its children: p2pd, averagers)."""
+    trees = {"portal": soak.portal, "coordinator": soak.coordinator,
+             **{f"worker {user}": proc for user, proc in soak.running.items()}}
+    now = time.time()
+    for name, proc in trees.items():
+        if proc is None or proc.poll() is not None:
+            continue
+        try:
+            root = psutil.Process(proc.pid)
+            members = [root, *root.children(recursive=True)]
+            rss = fds = threads = 0
+            for member in members:
+                try:
+                    rss += member.memory_info().rss
+                    fds += member.num_fds()
+                    threads += member.num_threads()
+                except psutil.NoSuchProcess:
+                    continue
+        except psutil.NoSuchProcess:
+            continue
+        soak.samples.append(dict(at=now, process=name, rss=rss, fds=fds, threads=threads))
+
+
+def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[Path]) -> dict:
+    seconds = minutes * 60
+    work = Path(tempfile.mkdtemp(prefix="dedloc-soak-"))
+    (work / "logs").mkdir()
+    port = _free_port()
+    env = {"DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(port), "DATABASE_URL": ""}
+    soak = Soak(work=work, url=f"http://127.0.0.1:{port}", env=env, workers=workers)
+    users = [f"volunteer{i}" for i in range(workers)]
+    optimizer = {**LOOPBACK_OPTIMIZER, "matchmaking_time": 1.0, "averaging_timeout": 10.0,
+                 "metadata_expiration": 10.0, "next_chunk_timeout": 3.0, "algorithm": algorithm}
+    if algorithm == "local-updates":
+        optimizer["outer_batch_size"] = 4 * TARGET_BATCH
+    created = soak.cli("create-run", "soak", "--task", "tiny-lm", "--target-batch-size", str(TARGET_BATCH),
+                       "--batch-size", str(BATCH), "--optimizer", json.dumps(optimizer),
+                       "--checkpoints", json.dumps({"every_epochs": 10**6, "spot_check_rate": 0.0}))
+    if created.returncode != 0:
+        raise SystemExit(f"create-run failed: {created.stderr.strip()}")
+    rng = random.Random(seed + 1)
+    stop_sampling = threading.Event()
+    period = SAMPLE_SECONDS if minutes >= 10 else 10.0
+    sampler = threading.Thread(target=lambda: [sample(soak) for _ in iter(lambda: stop_sampling.wait(period), True)],
+                               daemon=True)
+    began = time.time()
+    try:
+        soak.start_portal()
+        soak.start_coordinator()
+        _wait(lambda: httpx.get(f"{soak.url}/api/v1/runs/soak/join").json()["initial_peers"], 90)
+        soak.start_worker(users[0])
+        soak.note("join", users[0])
+        _wait(lambda: httpx.get(f"{soak.url}/api/v1/runs/soak/swarm").json()["epoch"] >= 1, 180)
+        for user in users[1:workers // 2 + 1]:
+            soak.start_worker(user)
+            soak.note("join", user)
+        sampler.start()
+        sample(soak)
+        for at, event in schedule(seed, seconds):
+            time.sleep(max(0.0, began + at - time.time()))
+            apply(soak, event, rng, users)
+        time.sleep(max(0.0, began + seconds - time.time()))
+        for user in list(soak.running):
+            soak.stop_worker(user, signal.SIGINT)
+            soak.note("leave", user)
+        stop_sampling.set()
+        time.sleep(SETTLE_SECONDS)
+        row = check(soak, began, minutes, seed, algorithm)
+        return row
+    finally:
+        stop_sampling.set()
+        stop_all(list(soak.running.values()))
+        stop_all([p for p in (soak.coordinator, soak.portal) if p is not None])
+        if keep:
+            shutil.copytree(work, keep, dirs_exist_ok=True)
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -> dict:
+    """What the history says: the checker reads the database, every log and the sampler's series."""
+    from sqlalchemy import func, select
+
+    from app.core.database import make_engine, make_sessionmaker
+    from app.models import Base, Contribution, Snapshot
+
+    engine = make_engine(f"sqlite:///{soak.work / 'var' / 'dedloc.sqlite3'}")
+    try:
+        with make_sessionmaker(engine)() as session:
+            claims = session.execute(select(Contribution.username, Contribution.peer_key, Contribution.epoch,
+                                            Contribution.samples, Contribution.credited, Contribution.held,
+                                            Contribution.reason, Contribution.recorded_at)).all()
+            snapshots = session.execute(select(Snapshot.taken_at, Snapshot.epoch).order_by(Snapshot.taken_at)).all()
+            rows = {table.name: session.scalar(select(func.count()).select_from(table))
+                    for table in Base.metadata.sorted_tables}
+    finally:
+        engine.dispose()
+
+    honest = [c for c in claims if c.username != soak.banned and c.samples > 0]
+    held = [c for c in honest if c.held > 0]
+    reasons: dict[str, int] = {}
+    for c in held:
+        key = re.sub(r"\d[\d,.]*", "N", (c.reason or "").split(":")[0] + ": " + (c.reason or "").split(":", 1)[-1])[:90]
+        reasons[key] = reasons.get(key, 0) + 1
+    per_epoch: dict[tuple, int] = {}
+    for c in claims:
+        per_epoch[c.peer_key, c.epoch] = per_epoch.get((c.peer_key, c.epoch), 0) + 1
+    double = sum(1 for count in per_epoch.values() if count > 1) + sum(1 for c in claims if c.credited > c.samples)
+    banned_after = [c for c in claims if soak.banned and c.username == soak.banned and c.credited > 0
+                    and _unix(c.recorded_at) > (soak.banned_at or 0) + BAN_BOUND_SECONDS]
+
+    stall, stall_at = 0.0, None
+    last_change: Optional[tuple[float, int]] = None
+    for taken_at, epoch in snapshots:
+        when = _unix(taken_at)
+        if last_change is None or epoch > last_change[1]:
+            if last_change is not None and when - last_change[0] > stall:
+                stall, stall_at = when - last_change[0], last_change[0]
+            last_change = (when, epoch)
+    stall_cause = _nearest_event(soak.events, stall_at) if stall_at is not None else None
+
+    logs = sorted((soak.work / "logs").glob("*.log"))
+    tracebacks = {log.stem: log.read_text(errors="replace").count(TRACEBACK) for log in logs}
+    growth = rss_growth(soak.samples, began, minutes * 60)
+    return dict(
+        seed=seed, minutes=minutes, algorithm=algorithm, workers=soak.workers,
+        events={kind: sum(1 for e in soak.events if e["event"] == kind) for kind in
+                ("join", "leave", "kill", "coordinator down", "portal down", "ban")},
+        epochs=max((epoch for _, epoch in snapshots), default=0),
+        honest_claims=len(honest), uncredited_epochs=len(held), uncredited_reasons=reasons,
+        uncredited_samples_share=round(sum(c.held for c in held) / max(1, sum(c.samples for c in honest)), 4),
+        double_credited_epochs=double, banned_credit_past_bound=len(banned_after),
+        tracebacks=sum(tracebacks.values()), tracebacks_by_log={k: v for k, v in tracebacks.items() if v},
+        longest_stall_seconds=round(stall, 1), longest_stall_near=stall_cause,
+        rss_growth_per_hour=growth,
+        fds_last={name: series[-1]["fds"] for name, series in _series(soak.samples).items()},
+        threads_last={name: series[-1]["threads"] for name, series in _series(soak.samples).items()},
+        rows=rows,
+    )
+
+
+def rss_growth(samples: list, began: float, seconds: float) -> dict:
+    """Per process tree: the slope of its RSS after the warm-up (least squares), per hour, over its mean RSS there;
+    None with fewer than three samples after the warm-up (a worker that came and went)."""
+    warm = began + WARM_UP_SHARE * seconds
+    growth = {}
+    for name, series in _series(samples).items():
+        points = [(s["at"], s["rss"]) for s in series if s["at"] >= warm]
+        if len(points) < 3:
+            growth[name] = None
+            continue
+        slope = statistics.linear_regression([t for t, _ in points], [r for _, r in points]).slope
+        growth[name] = round(slope * 3600 / statistics.mean(r for _, r in points), 4)
+    return growth
+
+
+def _series(samples: list) -> dict:
+    series: dict[str, list] = {}
+    for s in samples:
+        series.setdefault(s["process"], []).append(s)
+    return series
+
+
+def _nearest_event(events: list, when: float) -> Optional[str]:
+    before = [e for e in events if e["at"] <= when + 5]
+    return f"{before[-1]['event']} {before[-1]['user']}".strip() if before else None
+
+
+def _unix(value: datetime) -> float:
+    return (value if value.tzinfo else value.replace(tzinfo=timezone.utc)).timestamp()
+
+
+def _wait(check, timeout: float) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except (httpx.HTTPError, ValueError, KeyError):
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(f"not ready within {timeout:.0f} s")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def markdown(rows: list) -> str:
+    lines = ["# Soak: volunteers coming and going", "",
+             "Written by `python -m bench.soak` (method: docs/benchmarks.md#soak). One row per run; loopback, tiny-lm.",
+             "", "| seed | minutes | algorithm | events | epochs | uncredited epochs (share of samples) | double "
+             "credited | banned past bound | tracebacks | longest stall s | RSS growth per hour (after warm-up) |",
+             "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+    for r in rows:
+        events = ", ".join(f"{v} {k}" for k, v in r["events"].items() if v)
+        growth = ", ".join(f"{k} {v:+.1%}" for k, v in r["rss_growth_per_hour"].items() if v is not None)
+        lines.append(f"| {r['seed']} | {r['minutes']:g} | {r['algorithm']} | {events} | {r['epochs']} | "
+                     f"{r['uncredited_epochs']} of {r['honest_claims']} ({r['uncredited_samples_share']:.1%}) | "
+                     f"{r['double_credited_epochs']} | {r['banned_credit_past_bound']} | {r['tracebacks']} | "
+                     f"{r['longest_stall_seconds']} ({r['longest_stall_near']}) | {growth} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n")[0])
+    parser.add_argument("--minutes", type=float, default=30.0)
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--algorithm", choices=("large-batch", "local-updates"), default="large-batch")
+    parser.add_argument("--workers", type=int, default=6)
+    parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
+    parser.add_argument("--keep", type=Path, help="copy the run's folder (logs, database) here")
+    args = parser.parse_args(argv)
+    if args.workers < MIN_RUNNING + 1:
+        parser.error(f"--workers must be at least {MIN_RUNNING + 1}")
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    row = run(args.minutes, args.seed, args.algorithm, args.workers, args.keep)
+    print(json.dumps(row), flush=True)
+    rows = json.loads(args.out.read_text()) if args.out.exists() else []
+    rows.append(row)
+    write_results(args.out, rows, markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
