@@ -22,6 +22,8 @@
    without a round, tracebacks, the stop time: ``demo.json`` and ``demo.md``.
 9. Ctrl-C on two trainers and an auxiliary peer at once, at moments across the epoch (``bench.leave``): seconds
    until each exits: ``leave.json`` and ``leave.md``.
+10. Thirty minutes of volunteers coming and going, with a checker of the history afterwards (``bench.soak``): a row
+   per run appended to ``soak.json`` and ``soak.md``.
 
 How each bench measures, and what the figures mean: docs/benchmarks.md.
 """
@@ -44,6 +46,7 @@ from bench import (
     robust_cost,
     simulate_averaging,
     simulate_groups,
+    soak,
     spot_checks,
     training,
 )
@@ -76,7 +79,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = code or equivalence.main(["--out", str(RESULTS / "equivalence.json")])
     code = code or spot_checks.main(["--out", str(RESULTS / "spot_checks.json")])
     code = code or demo.main(["--out", str(RESULTS / "demo.json")])
-    return code or leave.main(["--out", str(RESULTS / "leave.json")])
+    code = code or leave.main(["--out", str(RESULTS / "leave.json")])
+    return code or soak.main(["--out", str(RESULTS / "soak.json")])
 
 
 def markdown_table(rows: Sequence[dict]) -> str:

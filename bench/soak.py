@@ -258,7 +258,7 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
     held = [c for c in honest if c.held > 0]
     reasons: dict[str, int] = {}
     for c in held:
-        key = re.sub(r"\d[\d,.]*", "N", (c.reason or "").split(":")[0] + ": " + (c.reason or "").split(":", 1)[-1])[:90]
+        key = re.sub(r"\d[\d,.]*", "N", c.reason or "")[:90]  # numbers out: one key per kind of reason
         reasons[key] = reasons.get(key, 0) + 1
     per_epoch: dict[tuple, int] = {}
     for c in claims:
