@@ -84,7 +84,7 @@ class Case:
     skip: int
     outer_steps: Optional[int] = None  # outer batch = this many TARGET_BATCH; None: the run's default (32)
     outer_momentum: Optional[float] = None  # None: the run's default (DiLoCo's 0.9)
-    overlap: bool = True  # local updates: the outer round runs during the next inner steps (the run's default)
+    overlap: bool = True  # local updates: the outer round runs during the next inner steps (overlap_outer_rounds)
 
     @property
     def outer_batch(self) -> Optional[int]:
@@ -101,7 +101,7 @@ CASES = [
     Case("large-batch", "large-batch", "fp16", epochs=16, skip=6),
     Case("large-batch uint8", "large-batch", "uint8", epochs=16, skip=6),
     Case("local-updates", "local-updates", "fp16", epochs=5, skip=1),  # the default outer batch: 32 steps
-    # each peer waits for its outer round before training on (delay_optimizer_step off): the overlap's gain
+    # each peer waits for its outer round before training on (the run's default): the overlap's gain
     Case("local-updates waiting", "local-updates", "fp16", epochs=5, skip=1, overlap=False),
     Case("local-updates uint8", "local-updates", "uint8", epochs=5, skip=1),
     Case("local-updates 8 steps", "local-updates", "fp16", epochs=9, skip=1, outer_steps=8),
@@ -218,8 +218,8 @@ def run_config(case: Case):
         options["outer_batch_size"] = case.outer_batch
     if case.outer_momentum is not None:
         options["outer_momentum"] = case.outer_momentum
-    if not case.overlap:
-        options["delay_optimizer_step"] = False
+    if case.outer_batch:
+        options["overlap_outer_rounds"] = case.overlap
     return RunConfig(slug="bench", run_id="lu-" + re.sub(r"[^A-Za-z0-9]+", "-", case.name), task="tiny-lm",
                      task_options=MODEL, target_batch_size=TARGET_BATCH, batch_size=BATCH, seed=SEED,
                      optimizer=OptimizerOptions(**options))

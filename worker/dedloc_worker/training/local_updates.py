@@ -52,7 +52,7 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
     start again from the outer parameters everyone else holds.
     """
 
-    def __init__(self, *args: Any, outer_averager_opts: dict, overlap: bool = True, **kwargs: Any):
+    def __init__(self, *args: Any, outer_averager_opts: dict, overlap: bool = False, **kwargs: Any):
         overlap = overlap and not kwargs.get("auxiliary")  # an auxiliary peer trains nothing meanwhile
         self._outer_averager_opts = dict(outer_averager_opts, overlap=overlap)
         kwargs.update(use_local_updates=True, grad_averager_factory=None, delay_grad_averaging=False,
@@ -66,7 +66,7 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
         self._phase_began = self._round_began = time.monotonic()
         # the last round's seconds over its phase's; unknown before the first round with others, which waits
         self._round_share = math.inf
-        self.delay_state_averaging = False
+        self._overlapping = False  # whether the last round overlapped the inner steps after it
 
     def _make_state_averager(self, **kwargs: Any) -> OuterAverager:
         kwargs.pop("delta_rule_averaging", None)  # the outer averager applies results its own way
@@ -120,11 +120,11 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
         self._catch_up_tries = 0  # this round finds out whether the peer is behind
         now = time.monotonic()
         overlap = self._overlap and self._round_share <= OVERLAP_SHARE
-        if overlap != self.delay_state_averaging and self._overlap:
+        if overlap != self._overlapping and self._overlap:
             print(f"outer rounds take {self._round_share:.0%} of a phase: the next ones " +
                   ("run while this peer trains on" if overlap else "wait for their round (inner steps taken from "
                    "parameters one outer step old cost quality there)"), flush=True)
-        self.delay_state_averaging = overlap  # hivemind reads it as it begins the round
+        self._overlapping = overlap
         self._phase_seconds, self._phase_began, self._round_began = now - self._phase_began, now, now
         rounds, attempts = averager.rounds, averager.attempts
         behind = self.local_epoch < self.tracker.global_epoch  # a peer moved the swarm on before this one
@@ -143,6 +143,8 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
         self.finished_epochs.append(FinishedEpoch(self.local_epoch - 1, sent))
         self._round = _OuterRound(self.local_epoch - 1, rounds, alone)
         self._round_running = True
+        if self._overlap and not overlap:  # a round that may not overlap runs where it would, and is waited for here
+            averager.step(wait_for_delayed_updates=True)
         self.collect_rounds()  # the round is over already unless it overlaps the next inner steps
 
     def collect_rounds(self) -> None:

@@ -136,7 +136,7 @@ def create_optimizer(dht, config: RunConfig, params, client_mode: bool, aux: boo
                                      part_size_bytes=GRADIENT_PART_BYTES, robust=robust_rule(config),
                                      authority=plan_authority, attest=attest, **averager_opts),
             tracker_opts=dict(metadata_expiration=opt.metadata_expiration), verbose=verbose, receipts=receipts,
-            leave=leave, overlap=opt.delay_optimizer_step)
+            leave=leave, overlap=opt.overlap_outer_rounds)
         signal.signal(signal.SIGINT, on_interrupt)  # pitfall 7
         return optimizer
     optimizer = AccountedOptimizer(
