@@ -4,6 +4,7 @@ loopback deployment, portals and an OpenID Connect provider on loopback (sign-in
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import re
@@ -23,6 +24,18 @@ from tests.support.harness import ROOT, Deployment
 from tests.support.oidc_provider import LoopbackServer, OidcProvider
 from tests.support.portal import CLIENT_ID, CLIENT_SECRET, QUICK, SECRET_KEY, Portal
 from tests.support.postgres import postgres_bin, throwaway_postgres
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _no_stray_event_loop():
+    """Close an event loop a module's in-process hivemind objects left on the main thread (hivemind's MPFuture calls
+    ``asyncio.get_event_loop()``, which on Python 3.11 creates one): dropped later, unclosed, it raised its
+    ResourceWarnings in whichever test of another module ran the garbage collector next."""
+    yield
+    loop = getattr(asyncio.get_event_loop_policy()._local, "_loop", None)  # without creating one
+    if loop is not None and not loop.is_running() and not loop.is_closed():
+        loop.close()
+        asyncio.set_event_loop(None)
 
 
 @pytest.fixture(scope="session")
