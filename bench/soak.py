@@ -136,18 +136,13 @@ def apply(soak: Soak, event: str, rng: random.Random, users: list[str]) -> None:
         user = rng.choice(live)
         soak.stop_worker(user, signal.SIGINT if event == "leave" else signal.SIGKILL)
         soak.note(event, user)
-    elif event == "restart-coordinator":
-        stop_all([soak.coordinator], grace=10)
-        soak.note("coordinator down")
+    elif event.startswith("restart-"):  # the coordinator or the portal, down for 5 s
+        server = event.removeprefix("restart-")
+        stop_all([getattr(soak, server)], grace=10)
+        soak.note(f"{server} down")
         time.sleep(5)
-        soak.start_coordinator()
-        soak.note("coordinator up")
-    elif event == "restart-portal":
-        stop_all([soak.portal], grace=10)
-        soak.note("portal down")
-        time.sleep(5)
-        soak.start_portal()
-        soak.note("portal up")
+        getattr(soak, f"start_{server}")()
+        soak.note(f"{server} up")
     elif event == "ban" and live:
         user = rng.choice(live)
         result = soak.cli("ban", "soak", user, "--reason", "soak bench")

@@ -162,17 +162,25 @@ class ChecksDownloads(DecentralizedAverager):
         """The state ``peer`` serves: (metadata or None, tensors), as hivemind 1.1.12 reads the stream."""
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, parts, tensors = None, [], []
-        async for message in aiter_with_timeout(stream, timeout=timeout):
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:  # a new tensor begins
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
+        return await read_state_stream(stream, self.serializer, timeout)
+
+
+async def read_state_stream(stream, serializer, timeout: Optional[float], keep=None):
+    """A served state's stream as hivemind 1.1.12 reads it: (metadata or None, tensors). ``keep(metadata)`` False
+    drops the stream as soon as its metadata (first in it) is read: then (None, [])."""
+    metadata, parts, tensors = None, [], []
+    async for message in aiter_with_timeout(stream, timeout=timeout):
+        if message.metadata:
+            metadata = serializer.loads(message.metadata)
+            if keep is not None and not keep(metadata):
+                return None, []
+        if message.tensor_part.dtype and parts:  # a new tensor begins
             tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        return metadata, tensors
+            parts = []
+        parts.append(message.tensor_part)
+    if parts:
+        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+    return metadata, tensors
 
 
 def state_refusal(averager: TrainingStateAverager, metadata, tensors: Sequence[torch.Tensor]) -> Optional[str]:

@@ -20,16 +20,14 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Iterable, Optional, Sequence
 
 import torch
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.optim.state_averager import TrainingStateAverager
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import MPFuture, get_logger
-from hivemind.utils.asyncio import aiter_with_timeout
-from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import ValueWithExpiration
 
 from dedloc_worker.averaging.planned import PlannedAverager
+from dedloc_worker.averaging.state_sharing import read_state_stream
 from dedloc_worker.swarm.leaving import RemembersRounds
 
 logger = get_logger(__name__)
@@ -333,19 +331,8 @@ class PseudoGradientAverager(TrainingStateAverager):
         # bounded: a peer killed a moment ago can leave its libp2p daemon answering for it, and a stream opened there
         # never yields (a worker waited on one for minutes)
         stream = await asyncio.wait_for(stub.rpc_download_state(averaging_pb2.DownloadRequest()), timeout)
-        metadata, parts, tensors = None, [], []
-        async for message in aiter_with_timeout(stream, timeout=timeout):
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-                epoch = metadata.get("epoch") if isinstance(metadata, dict) else None
-                if not isinstance(epoch, int) or epoch <= newer_than:
-                    return None  # the rest of its stream is dropped with it
-            if message.tensor_part.dtype and parts:  # a new tensor begins
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        metadata, tensors = await read_state_stream(stream, self.serializer, timeout, keep=lambda found: isinstance(
+            found, dict) and isinstance(found.get("epoch"), int) and found["epoch"] > newer_than)
         return (metadata, tensors) if metadata is not None else None
 
 
