@@ -11,7 +11,7 @@ import threading
 import hivemind
 import pytest
 import torch
-from dedloc_worker.training.outer import OuterOptimizer, PseudoGradientAverager
+from dedloc_worker.training.outer import OuterOptimizer, PseudoGradientAverager, lineage_after, prevailing
 
 pytestmark = [pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")]
 LR, MOMENTUM = 0.7, 0.9
@@ -235,6 +235,34 @@ def test_a_peer_whose_outer_parameters_are_of_an_older_epoch_does_not_step_from_
             peer.shutdown()
 
 
+def test_two_peers_whose_outer_parameters_of_one_epoch_came_from_different_rounds_end_on_one_lineage(dhts):
+    """A joiner whose tracker saw no other peer yet stepped alone while the others averaged: both sides then hold
+    outer parameters of one epoch, made by different rounds (in a run of the swarm test, a gap of 0.08 for good).
+    Members gather their lineage with their epoch: the peers off the prevailing one (most members; ties, the least)
+    do not step, and take the newest state from a peer on it."""
+    on, off = averager(dhts[0], 1.0), averager(dhts[1], 2.0, sharing=False)
+    try:
+        on.outer_epoch = on.local_epoch = off.outer_epoch = off.local_epoch = 5
+        on.lineage, off.lineage = "0a", "0b"  # a tie of one member each: the least string prevails
+        assert prevailing([(5, "0b"), (5, "0a"), (4, "00")], 5) == "0a"
+        assert prevailing([(5, "0b"), (5, "0a"), (5, "0b")], 5) == "0b"
+        for peer in (on, off):
+            with torch.no_grad():
+                for param in peer.main_parameters:
+                    param.sub_(0.5)
+            peer.samples = 100
+        run_round([on, off])
+        assert (on.rounds, on.outer_epoch, on.missed, on.forked) == (1, 6, False, 0)
+        assert on.lineage == lineage_after("0a", 5, [on.peer_id, off.peer_id]) != lineage_after("0a", 5, [on.peer_id])
+        assert (off.rounds, off.outer_epoch, off.missed, off.stale, off.forked) == (0, 5, True, True, 1)
+        assert off.load_state_from_peers(timeout=20)
+        assert (off.outer_epoch, off.lineage, off.missed) == (6, on.lineage, False)
+        assert all(torch.equal(mine, theirs) for mine, theirs in zip(off.outer.params, on.outer.params))
+    finally:
+        for peer in (on, off):
+            peer.shutdown()
+
+
 def test_a_peer_alone_takes_the_outer_step_on_its_own_pseudo_gradient():
     """hivemind makes no round while it sees no other peer; DiLoCo with one worker steps on its own pseudo-gradient,
     so the founder's outer parameters (and the epoch a joiner loads) move on while it trains alone."""
@@ -249,6 +277,7 @@ def test_a_peer_alone_takes_the_outer_step_on_its_own_pseudo_gradient():
         alone.step_alone()
         expected, _ = nesterov(torch.tensor(1.0), torch.tensor(0.5))
         assert (alone.rounds, alone.outer_epoch, alone.samples, alone.last_weight) == (1, 1, 0, 64)
+        assert alone.lineage == lineage_after("", 0, [alone.peer_id])
         for outer, local in zip(alone.outer.params, alone.main_parameters):
             assert torch.allclose(outer, torch.full_like(outer, expected.item())) and torch.equal(outer, local)
     finally:

@@ -67,6 +67,7 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
         # the last round's seconds over its phase's; unknown before the first round with others, which waits
         self._round_share = math.inf
         self._overlapping = False  # whether the last round overlapped the inner steps after it
+        self._loads_at_round = 0  # outer states loaded before the last round
 
     def _make_state_averager(self, **kwargs: Any) -> OuterAverager:
         kwargs.pop("delta_rule_averaging", None)  # the outer averager applies results its own way
@@ -128,11 +129,15 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
         self._phase_seconds, self._phase_began, self._round_began = now - self._phase_began, now, now
         rounds, attempts = averager.rounds, averager.attempts
         behind = self.local_epoch < self.tracker.global_epoch  # a peer moved the swarm on before this one
+        # a peer that took a state from others in this phase knows it is not alone, though its tracker may not see
+        # them yet (a joiner's first round): stepping alone would fork the outer parameters (``OuterAverager.lineage``)
+        joined, self._loads_at_round = averager.loads > self._loads_at_round, averager.loads
         super(AccountedOptimizer, self)._update_global_epoch(grad_scaler)
         # hivemind makes no round when it sees no other peer in the swarm's epoch. The peer that moved the epoch on
         # steps alone; one behind it (which sees only that peer, already an epoch ahead) takes its outer state:
         # stepping alone too would leave the two on different outer parameters for good
         alone = averager.attempts == attempts and not self.auxiliary
+        behind = behind or joined
         if alone and behind:
             averager.missed = True
         elif alone:
@@ -173,9 +178,10 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
             averager.missed = False  # leaving: its parameters are not used again
             print(f"outer round {outer_round.epoch}: it failed here", flush=True)
         elif averager.missed:
-            why = ("its peers averaged from newer outer parameters" if averager.stale else
-                   "another peer moved the swarm on first" if outer_round.alone else "it failed here")
-            averager.missed = False
+            why = ("its peers averaged from outer parameters other rounds made" if averager.off_lineage else
+                   "its peers averaged from newer outer parameters" if averager.stale else
+                   "no round formed with its peers (it saw none in its epoch)" if outer_round.alone else "it failed here")
+            averager.missed = averager.off_lineage = False
             print(f"outer round {outer_round.epoch}: {why}; taking the newest outer state from the swarm", flush=True)
             self._catch_up_tries = CATCH_UP_TRIES if self._overlap else 1
             self._catch_up()

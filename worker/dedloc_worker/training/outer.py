@@ -14,6 +14,7 @@ the outer parameters and the outer momentum, never another peer's drifting local
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import random
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -32,6 +33,7 @@ from dedloc_worker.swarm.leaving import RemembersRounds
 
 logger = get_logger(__name__)
 
+LINEAGE_BYTES = 8  # an outer state's lineage: a hash of the rounds that made it (``lineage_after``)
 SOURCES_ASKED = 3  # peers a state download asks, by declared priority, for a newer outer state
 OUTER_LR = 0.7  # DiLoCo's outer learning rate and Nesterov momentum (section 3 of the paper)
 OUTER_MOMENTUM = 0.9
@@ -101,6 +103,35 @@ class OuterOptimizer:
             self.optimizer.state[mine]["momentum_buffer"] = buffer.to(torch.float32).clone()
 
 
+def lineage_after(lineage: str, epoch: int, members: Iterable[Any]) -> str:
+    """The lineage of the outer state that the round of ``members`` (peer IDs; this peer alone for a step alone)
+    made from a state of ``lineage`` at ``epoch``: every member of a round that averaged computes the same one, while
+    fp16 rounding leaves their parameters a little apart, so it tells two states of one epoch made by different
+    rounds apart where the parameters cannot."""
+    text = f"{lineage}|{epoch}|{','.join(sorted(map(str, members)))}"
+    return hashlib.blake2b(text.encode(), digest_size=LINEAGE_BYTES).hexdigest()
+
+
+def prevailing(bases: Sequence[tuple[int, Optional[str]]], epoch: int) -> Optional[str]:
+    """Of the lineages a round's members averaged from at ``epoch``, the one most of them hold (ties: the least
+    string, so that every member picks the same one); None where no member said."""
+    counts: dict[str, int] = {}
+    for base_epoch, lineage in bases:
+        if base_epoch == epoch and lineage is not None:
+            counts[lineage] = counts.get(lineage, 0) + 1
+    return min(counts, key=lambda lineage: (-counts[lineage], lineage)) if counts else None
+
+
+def parse_base(gathered: Any) -> Optional[tuple[int, Optional[str]]]:
+    """A member's gathered base: (outer epoch, lineage), or (epoch, None) from a worker that sends the epoch alone."""
+    if isinstance(gathered, int) and not isinstance(gathered, bool):
+        return gathered, None
+    if isinstance(gathered, (list, tuple)) and len(gathered) == 2 and isinstance(gathered[0], int) \
+            and isinstance(gathered[1], str):
+        return gathered[0], gathered[1]
+    return None
+
+
 class PseudoGradientAverager(TrainingStateAverager):
     """hivemind's state averager whose rounds are DiLoCo's outer rounds (see the module doc).
 
@@ -119,6 +150,11 @@ class PseudoGradientAverager(TrainingStateAverager):
       round gathers. hivemind advances ``local_epoch`` before a round and after a state load may jump it to the
       swarm's; a peer whose base is behind its round's would add the same average to older outer parameters and
       part from the swarm for good, so it takes the newest state instead (``stale``)
+    :ivar lineage: which rounds made the outer parameters (``lineage_after``). Two peers can reach one epoch by
+      different rounds: a joiner that saw no other peer yet steps alone while the others average. Members gather
+      their lineage with their epoch; where it differs, the peers off the lineage most members hold take the newest
+      state instead of stepping (``forked``), as a stale peer does, or the two would average from different outer
+      parameters for good
     :ivar missed: the last round failed here or averaged from an older base (``missed_rounds``: how many did)
     """
 
@@ -142,6 +178,9 @@ class PseudoGradientAverager(TrainingStateAverager):
         self.rounds = 0
         self.attempts = 0  # outer rounds begun with other peers
         self.outer_epoch = self.local_epoch
+        self.lineage = ""
+        self.forked = 0  # rounds in which this peer found itself off its members' lineage
+        self.off_lineage = False  # the last round's did
         self.stale = False  # the last round's members averaged from newer outer parameters than this peer's
         self.missed_rounds = 0
         self.loads = 0  # outer states loaded from peers
@@ -187,7 +226,8 @@ class PseudoGradientAverager(TrainingStateAverager):
         """A round's control: past TrainingStateAverager's step, as its own round-making does (a planned averager
         announces); the members gather their bases, so each can tell whether it averaged from the same outer
         parameters."""
-        return super(TrainingStateAverager, self).step(gather=self.outer_epoch, require_trigger=True, wait=False,
+        return super(TrainingStateAverager, self).step(gather=[self.outer_epoch, self.lineage], require_trigger=True,
+                                                       wait=False,
                                                        **kwargs)
 
     def schedule_round(self, scheduled_time: float, timeout: Optional[float] = None):
@@ -215,11 +255,19 @@ class PseudoGradientAverager(TrainingStateAverager):
             self.missed_rounds += 1
             self.missed = True
             return
-        bases = [base for base in control.result().values() if isinstance(base, int)]
-        if max(bases, default=self._round_base) > self._round_base:
+        gathered = control.result()
+        bases = [base for base in map(parse_base, gathered.values()) if base is not None]
+        if max((epoch for epoch, _ in bases), default=self._round_base) > self._round_base:
             # the others stepped from newer outer parameters: the same step here would leave this peer behind
             self.missed_rounds += 1
             self.missed = self.stale = True
+            return
+        lineage = prevailing(bases, self._round_base)
+        if lineage is not None and lineage != self.lineage:
+            # same epoch, other rounds made it: the peers of the prevailing lineage step, this one takes their state
+            self.missed_rounds += 1
+            self.forked += 1
+            self.missed = self.stale = self.off_lineage = True
             return
         if not self._round_complete():
             # an aggregator left mid-round: hivemind keeps this peer's own values for its parts, so a step here
@@ -228,7 +276,7 @@ class PseudoGradientAverager(TrainingStateAverager):
             self.missed_rounds += 1
             self.missed = True
             return
-        self._step_outer(sent if self._round_overlapped else None)
+        self._step_outer(sent if self._round_overlapped else None, members=gathered.keys())
 
     def _round_complete(self) -> bool:
         """Whether every part of the last round came back averaged."""
@@ -244,29 +292,31 @@ class PseudoGradientAverager(TrainingStateAverager):
         with self.lock_averaging:
             self._load_local_tensors_into_averager_()
             self._sent = None
-            self._step_outer()
+            self._step_outer(members=[self.peer_id])
 
-    def _step_outer(self, sent: Optional[list[torch.Tensor]] = None) -> None:
-        """The outer step from the averaging buffers; ``sent``: see ``OuterOptimizer.step``."""
+    def _step_outer(self, sent: Optional[list[torch.Tensor]] = None, *, members: Iterable[Any]) -> None:
+        """The outer step from the averaging buffers, by the round of ``members``; ``sent``: see
+        ``OuterOptimizer.step``."""
         with self.get_tensors() as averaged, self.outer_lock:
             self.outer.step([tensor.clone() for tensor in averaged], self.main_parameters, sent=sent)
             self.rounds += 1
+            self.lineage = lineage_after(self.lineage, self._round_base, members)
             self.outer_epoch = self._round_base + 1
         self.local_epoch = max(self.local_epoch, self.outer_epoch)
-        self.missed = self.stale = False
+        self.missed = self.stale = self.off_lineage = False
 
     def get_current_state(self):
         """The outer state, as ``TrainingStateAverager.get_current_state`` lays a state out: outer parameters, then
         the outer momentum as extra tensors (the inner optimizer's statistics are each peer's own)."""
         with self.outer_lock:
             metadata, tensors, infos = super().get_current_state()
-            rounds, epoch = self.rounds, self.outer_epoch
+            rounds, epoch, lineage = self.rounds, self.outer_epoch, self.lineage
             outer_tensors = [p.clone() for p in self.outer.params] + [m.clone() for m in self.outer.momentum_buffers()]
         count = len(self.outer.params)
         outer_infos = list(infos[:count]) + [type(info).from_tensor(m, key=f"outer_momentum.{i}", role=info.role)
                                             for i, (m, info) in enumerate(zip(outer_tensors[count:], infos[:count]))]
         # the epoch of the outer parameters, not local_epoch: mid-round that is already the next one
-        metadata = dict(metadata, epoch=epoch, outer_rounds=rounds, optimizer_metadata=None)
+        metadata = dict(metadata, epoch=epoch, outer_rounds=rounds, lineage=lineage, optimizer_metadata=None)
         return metadata, outer_tensors, outer_infos
 
     def load_state_from_peers(self, wait: bool = True, timeout: Optional[float] = None):
@@ -288,8 +338,9 @@ class PseudoGradientAverager(TrainingStateAverager):
             self.outer.load(tensors[:count], tensors[count:])
             self.outer.restart(self.main_parameters)
             self.outer_epoch = metadata["epoch"]
+            self.lineage = str(metadata.get("lineage", ""))
         self.rounds, self.samples = int(metadata.get("outer_rounds", self.rounds)), 0
-        self.missed = self.stale = False
+        self.missed = self.stale = self.off_lineage = False
         self.loads += 1
         self.local_epoch = max(self.local_epoch, metadata["epoch"])
         self._update_scheduler()
