@@ -149,5 +149,14 @@ def test_the_worker_takes_its_rule_from_the_run_config():
                          samples_per_second_ceiling=500.0, optimizer=OptimizerOptions(**options))
 
     assert robust_rule(config(clip_radius=2.0, clip_iterations=5, matchmaking_time=1.5)) == RobustRule(
-        tau=2.0, iterations=5, ceiling=500.0, grace=1.5)
+        tau=2.0, iterations=5, ceiling=500.0, grace=1.5, overlapped=True)  # delayed gradient averaging, the default
     assert robust_rule(config(aggregation="mean")) is None
+    # the cap's clock starts where the senders began accumulating: after the previous round, or as it began
+    assert not robust_rule(config(delay_grad_averaging=False)).overlapped
+    assert not robust_rule(config(algorithm="local-updates")).overlapped
+    assert robust_rule(config(algorithm="local-updates", overlap_outer_rounds=True)).overlapped
+
+
+def test_the_caps_clock_starts_where_senders_began_accumulating():
+    assert RobustRule(1.0, 1).clock_start(previous_began=10.0, previous_ended=14.0) == 14.0
+    assert RobustRule(1.0, 1, overlapped=True).clock_start(previous_began=10.0, previous_ended=14.0) == 10.0

@@ -298,6 +298,7 @@ class PlannedAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, Decent
         # The weight cap's clock: senders accumulate samples from then on. None before this peer's first round: a
         # peer that joins mid-epoch has not seen how long the others have been accumulating, so it caps nothing.
         self._previous_ended: Optional[float] = None
+        self._previous_began = 0.0
         super().__init__(*args, **kwargs)
 
     def run(self) -> None:
@@ -428,8 +429,8 @@ class PlannedAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, Decent
             async with enter_asynchronously(self.get_tensors()) as local_tensors:
                 outcome.began = time.time()
                 if self._robust is not None:
-                    outcome.weight_cap = (math.inf if self._previous_ended is None else
-                                          self._robust.weight_cap(outcome.began - self._previous_ended))
+                    outcome.weight_cap = math.inf if self._previous_ended is None else self._robust.weight_cap(
+                        outcome.began - self._robust.clock_start(self._previous_began, self._previous_ended))
                 try:
                     runner_type = StreamingAllReduceRunner if outcome.planned else CountingAllReduceRunner
                     await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=split.fractions,
@@ -440,6 +441,7 @@ class PlannedAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, Decent
                     raise
                 finally:
                     outcome.ended = self._previous_ended = time.time()
+                    self._previous_began = outcome.began
                     self._note_runner(outcome, group_info)
             return dict(zip(group_info.peer_ids, user_gathered))
         except BaseException as e:

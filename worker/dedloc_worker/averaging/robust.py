@@ -7,7 +7,7 @@ then aggregates them:
 
 1. a sender's weight (the samples it says it accumulated) is capped at the run's samples-per-second ceiling times
    the time from the end of this aggregator's previous round (when the senders of a group start accumulating
-   again) to the start of this one, plus a grace for peers whose previous round ended a little earlier
+   again; its start where they accumulate while a round runs) to the start of this one, plus a grace for peers whose previous round ended a little earlier
    (``RobustRule.weight_cap``; not in an aggregator's first round, which cannot know when the others began);
 2. a part or weight that is not finite is dropped (the sender still receives the result);
 3. the rest are averaged with ``averaging.centered_clip`` at a radius scaled to the part's size.
@@ -42,12 +42,20 @@ class RobustRule:
     :param ceiling: the run's plausible samples per second per peer; None: weights are not capped
     :param grace: seconds added to the observed time before capping (peers of other groups may have ended their
       previous round up to a matchmaking time earlier)
+    :param overlapped: senders go on accumulating while a round runs (delayed gradient averaging, overlapped outer
+      rounds), so the cap's clock starts when the previous round began, not when it ended: from its end, an honest
+      sender's weight was capped by the round's share of its phase (a swarm test's outer rounds took up to 38%)
     """
 
     tau: float
     iterations: int
     ceiling: Optional[float] = None
     grace: float = 0.0
+    overlapped: bool = False
+
+    def clock_start(self, previous_began: float, previous_ended: float) -> float:
+        """When the senders of this round began accumulating, by the aggregator's previous round."""
+        return previous_began if self.overlapped else previous_ended
 
     def weight_cap(self, elapsed: float) -> float:
         """The most samples a sender can have accumulated in ``elapsed`` seconds (inf without a ceiling)."""

@@ -24,8 +24,10 @@ logger = get_logger(__name__)
 CATCH_UP_TRIES, CATCH_UP_SPACING = 3, 1.0
 # A round overlaps the next inner steps while the last one took at most this share of its phase: the inner steps
 # taken during a round start from parameters one outer step old, which cost little at 16% (held-out loss 1.663
-# overlapped, 1.669 waiting) and much at 64% (2.69 against 1.74; bench/results/local_updates.md)
-OVERLAP_SHARE = 0.25
+# overlapped, 1.669 waiting) and much at 64% (2.69 against 1.74; bench/results/local_updates.md). Once overlapping,
+# a peer waits again past WAIT_SHARE only: rounds near the threshold (20-38% of a phase in a run of the swarm test)
+# switched every round, a line each time
+OVERLAP_SHARE, WAIT_SHARE = 0.25, 0.4
 
 
 @dataclass
@@ -120,7 +122,8 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
             self.collect_rounds()
         self._catch_up_tries = 0  # this round finds out whether the peer is behind
         now = time.monotonic()
-        overlap = self._overlap and self._round_share <= OVERLAP_SHARE
+        overlap = self._overlap and (self._round_share <= OVERLAP_SHARE or
+                                     self._overlapping and self._round_share <= WAIT_SHARE)
         if overlap != self._overlapping and self._overlap:
             print(f"outer rounds take {self._round_share:.0%} of a phase: the next ones " +
                   ("run while this peer trains on" if overlap else "wait for their round (inner steps taken from "

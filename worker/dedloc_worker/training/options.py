@@ -182,14 +182,16 @@ def state_averaging_period(num_peers: int, group_size: int, configured: int) -> 
 
 def robust_rule(config: RunConfig):
     """The run's ``averaging.robust.RobustRule``, or None where it averages with the plain mean. The cap's grace is one
-    matchmaking time: the most a sender's epoch can have begun before the aggregator's."""
+    matchmaking time: the most a sender's epoch can have begun before the aggregator's; its clock runs from the
+    previous round's start where senders accumulate during rounds."""
     from dedloc_worker.averaging.robust import RobustRule
 
     opt = config.optimizer
     if opt.aggregation == "mean":
         return None
+    overlapped = opt.overlap_outer_rounds if opt.algorithm == "local-updates" else opt.delay_grad_averaging
     return RobustRule(tau=opt.clip_radius, iterations=opt.clip_iterations,
-                      ceiling=config.samples_per_second_ceiling, grace=opt.matchmaking_time)
+                      ceiling=config.samples_per_second_ceiling, grace=opt.matchmaking_time, overlapped=overlapped)
 
 
 def restore(optimizer, state: dict) -> None:
