@@ -7,8 +7,9 @@ then aggregates them:
 
 1. a sender's weight (the samples it says it accumulated) is capped at the run's samples-per-second ceiling times
    the time from the end of this aggregator's previous round (when the senders of a group start accumulating
-   again; its start where they accumulate while a round runs) to the start of this one, plus a grace for peers whose previous round ended a little earlier
-   (``RobustRule.weight_cap``; not in an aggregator's first round, which cannot know when the others began);
+   again; its start where they accumulate while a round runs) to the start of this one, plus a grace for peers
+   whose previous round ended a little earlier (``RobustRule.weight_cap``; not in an aggregator's first round, which
+   cannot know when the others began);
 2. a part or weight that is not finite is dropped (the sender still receives the result);
 3. the rest are averaged with ``averaging.centered_clip`` at a radius scaled to the part's size.
 

@@ -183,7 +183,8 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
         elif averager.missed:
             why = ("its peers averaged from outer parameters other rounds made" if averager.off_lineage else
                    "its peers averaged from newer outer parameters" if averager.stale else
-                   "no round formed with its peers (it saw none in its epoch)" if outer_round.alone else "it failed here")
+                   "no round formed with its peers (it saw none in its epoch)" if outer_round.alone else
+                   "it failed here")
             averager.missed = averager.off_lineage = False
             print(f"outer round {outer_round.epoch}: {why}; taking the newest outer state from the swarm", flush=True)
             self._catch_up_tries = CATCH_UP_TRIES if self._overlap else 1
