@@ -53,6 +53,7 @@ TARGET_BATCH, BATCH = 1024, 16
 # (event, weight): what the schedule draws from
 EVENTS = (("join", 4), ("leave", 2), ("kill", 2), ("restart-coordinator", 1), ("restart-portal", 1))
 TRACEBACK = "Traceback (most recent call last)"
+UNCONFIRMED = "not confirmed"  # how app.credit.decision words a claim no other volunteer's peer saw
 
 
 @dataclass
@@ -251,6 +252,9 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
 
     honest = [c for c in claims if c.username != soak.banned and c.samples > 0]
     held = [c for c in honest if c.held > 0]
+    # samples no other volunteer averaged (no round, a round alone or unfinished): work lost, not credit withheld
+    unconfirmed = [c for c in held if (c.reason or "").startswith(UNCONFIRMED)]
+    withheld = [c for c in held if c not in unconfirmed]  # averaged with others, yet held: disputes, the ceiling
     reasons: dict[str, int] = {}
     for c in held:
         key = re.sub(r"\d[\d,.]*", "N", c.reason or "")[:90]  # numbers out: one key per kind of reason
@@ -280,8 +284,10 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
         events={kind: sum(1 for e in soak.events if e["event"] == kind) for kind in
                 ("join", "leave", "kill", "coordinator down", "portal down", "ban")},
         epochs=max((epoch for _, epoch in snapshots), default=0),
-        honest_claims=len(honest), uncredited_epochs=len(held), uncredited_reasons=reasons,
-        uncredited_samples_share=round(sum(c.held for c in held) / max(1, sum(c.samples for c in honest)), 4),
+        honest_claims=len(honest), uncredited_epochs=len(withheld), unconfirmed_epochs=len(unconfirmed),
+        uncredited_reasons=reasons,
+        uncredited_samples_share=round(sum(c.held for c in withheld) / max(1, sum(c.samples for c in honest)), 4),
+        unconfirmed_samples_share=round(sum(c.held for c in unconfirmed) / max(1, sum(c.samples for c in honest)), 4),
         double_credited_epochs=double, banned_credit_past_bound=len(banned_after),
         tracebacks=sum(tracebacks.values()), tracebacks_by_log={k: v for k, v in tracebacks.items() if v},
         longest_stall_seconds=round(stall, 1), longest_stall_near=stall_cause,
@@ -346,14 +352,21 @@ def _free_port() -> int:
 def markdown(rows: list) -> str:
     lines = ["# Soak: volunteers coming and going", "",
              "Written by `python -m bench.soak` (method: docs/benchmarks.md#soak). One row per run; loopback, tiny-lm.",
-             "", "| seed | minutes | algorithm | events | epochs | uncredited epochs (share of samples) | double "
-             "credited | banned past bound | tracebacks | longest stall s | RSS growth per hour (after warm-up) |",
-             "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "Uncredited: honest claims other volunteers averaged with, yet held (disputes, the ceiling); unconfirmed:"
+             " claims no other volunteer averaged (no round formed, or it did not finish), whose samples entered no "
+             "shared step. Rows before 2026-12-07 06:00 counted both as uncredited.",
+             "", "| seed | minutes | algorithm | events | epochs | uncredited epochs (share of samples) | unconfirmed "
+             "epochs (share) | double credited | banned past bound | tracebacks | longest stall s | RSS growth per "
+             "hour (after warm-up) |",
+             "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
     for r in rows:
         events = ", ".join(f"{v} {k}" for k, v in r["events"].items() if v)
         growth = ", ".join(f"{k} {v:+.1%}" for k, v in r["rss_growth_per_hour"].items() if v is not None)
+        unconfirmed = (f"{r['unconfirmed_epochs']} ({r['unconfirmed_samples_share']:.1%})"
+                       if "unconfirmed_epochs" in r else "-")
         lines.append(f"| {r['seed']} | {r['minutes']:g} | {r['algorithm']} | {events} | {r['epochs']} | "
                      f"{r['uncredited_epochs']} of {r['honest_claims']} ({r['uncredited_samples_share']:.1%}) | "
+                     f"{unconfirmed} | "
                      f"{r['double_credited_epochs']} | {r['banned_credit_past_bound']} | {r['tracebacks']} | "
                      f"{r['longest_stall_seconds']} ({r['longest_stall_near']}) | {growth} |")
     return "\n".join(lines) + "\n"
