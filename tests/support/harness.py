@@ -367,6 +367,16 @@ class Deployment:
         finally:
             engine.dispose()
 
+    def mini_steps_by_epoch(self) -> dict[int, int]:
+        """epoch -> mini-steps every peer's claim for it says it trained, its round averaged them in or not."""
+        engine = make_engine(self.database_url)
+        try:
+            with make_sessionmaker(engine)() as session:
+                query = select(Contribution.epoch, func.sum(Contribution.mini_steps)).group_by(Contribution.epoch)
+                return {int(epoch): int(steps) for epoch, steps in session.execute(query)}
+        finally:
+            engine.dispose()
+
     def claims_in_database(self) -> dict[tuple[str, int], int]:
         """(username, epoch) -> samples of every claim the coordinators recorded."""
         engine = make_engine(self.database_url)
