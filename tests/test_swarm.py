@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import signal
 
 import pytest
 import torch
 
 from app.runs.fingerprints import fingerprint
-from tests.support.actors import LIAR, SHARE_LIAR, WITNESS
+from tests.support.actors import LIAR, SHARE_LIAR, THROTTLED, WITNESS
 from tests.support.harness import wait_for
 
 # The fitted round model against the median round measured under its plan, either way: 0.7-1.4 in runs here; a
@@ -236,3 +237,44 @@ def test_three_workers_two_of_them_liars_follow_the_plan_average_exactly_and_are
     assert {name: row["samples"] for name, row in board.items() if row["samples"]} == {
         name: c for name, (c, _) in credit.items() if c}
     assert all(board[name]["runtime_seconds"] > 0 for name in workers)
+
+
+def test_a_worker_ten_times_slower_aggregates_the_vector_and_the_rounds_split_it_as_the_plan_says(deployment):
+    """The plan's compute term, live (docs/averaging.md#replanning): two workers on equal links (loopback), one
+    throttled to a tenth of its rate. It joins before it has measured a rate, so the coordinator plans it as fast
+    as the other; once its records carry its rate, the plan gives it the aggregating (the faster one keeps the
+    attestation floor) and the rounds after that split the vector as that plan says. The last plan is read from the
+    database, the rounds from a witness in each worker."""
+    rounds = deployment.workdir / "rounds"
+    deployment.env["DEDLOC_PLAN_INTERVAL"] = "0"
+    deployment.create_run(target_batch_size=512)
+    deployment.start_servers()
+    witness = [str(WITNESS), str(rounds)]
+    deployment.start_worker("fast", script=witness)
+    deployment.wait_for_founder("fast")
+    deployment.start_worker("slow", script=[str(THROTTLED), "10", *witness])
+
+    def uneven_plan():
+        plans = [{entry["username"]: entry for entry in plan} for plan in deployment.plans()]
+        last = plans[-1] if plans else {}
+        roles = {name: entry["step_role"] for name, entry in last.items()}
+        return last if roles == {"slow": "compute+aggregate", "fast": "compute"} else None
+
+    plan = wait_for(uneven_plan, 120, "a plan that gives the slow worker the aggregating")
+    shares = {entry["peer_id"]: entry["share"] for entry in plan.values()}
+    slow = plan["slow"]["peer_id"]
+
+    def rounds_as_planned():
+        records = [torch.load(path) for path in rounds.glob("*.pt")]
+        return [r for r in records if r["planned"] and len(r["peers"]) == 2
+                and all(abs(dict(zip(r["peers"], r["fractions"]))[peer] - share) < 1e-6
+                        for peer, share in shares.items())]
+
+    followed = wait_for(rounds_as_planned, 90, "a round split as the uneven plan says")
+    assert dict(zip(followed[0]["peers"], followed[0]["fractions"]))[slow] > 0.5, followed[0]
+    # the rates the coordinator planned with: each worker's own, measured, the throttled one several times lower
+    rates = {name: entry["samples_per_second"] for name, entry in plan.items()}
+    assert 0 < 3 * rates["slow"] < rates["fast"], rates
+    for name in ("slow", "fast"):
+        log = deployment.logs / f"{name}.log"
+        assert deployment.stop(name, signal.SIGINT, grace=30) == 0, log.read_text()[-3000:]

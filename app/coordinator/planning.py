@@ -203,7 +203,9 @@ class PlanKeeper:
                 self.vector_bytes = vector_bytes
             self.replanner.costs = self.costs  # new plans and the hysteresis both weigh the fitted model
             try:
-                plan = self.replanner.update(profiles)
+                # a trainer without a rate yet is planned at the median's (profiles_of): a guess the plan names
+                guessed = [peer.peer_id for peer in peers if not peer.link.aux and peer.samples_per_second <= 0]
+                plan = self.replanner.update(profiles, guessed)
             except PlanningError as e:  # e.g. nobody left who may aggregate: keep hivemind's own split
                 logger.warning("no averaging plan for these peers: %s", e)
                 plan = None
@@ -241,6 +243,8 @@ class PlanKeeper:
                         # the figures planned with, and whether the portal probe or a round gave them
                         upload_bps=figures[peer.peer_id][0], download_bps=figures[peer.peer_id][1],
                         bandwidth_from=figures[peer.peer_id][2],
+                        # its own measured rate, samples/s; 0 before its first (planned at the median's)
+                        samples_per_second=peer.samples_per_second,
                         # the kind only ("cuda", "cpu"): the public plan does not name a volunteer's GPU model
                         device=peer.hardware.split(":", 1)[0] if peer.hardware else "",
                         # what the solution gives it to do, and its averaging group (docs/averaging.md#groups)

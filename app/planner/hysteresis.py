@@ -22,7 +22,10 @@ class Replanner:
     plan wins by moving aggregating off a fast trainer is a small part of it. Shares alone still need the fraction
     of the step, so that a new plan (and the rounds its peers lose while they take it up) stays rare.
     A current plan that names a peer that has left is replaced at once, whatever the interval: a round planned around
-    an absent peer cannot finish.
+    an absent peer cannot finish. A peer whose compute the current plan only guessed (it joined before its first
+    rate: ``update``'s ``guessed``) is planned again once it is measured, and a plan that then gives some peer
+    another role is published whatever the gain: the current roles rest on no figure. That happens once per peer,
+    so measurement noise cannot make roles alternate through it.
 
     :param vector_bytes: size of the averaged vector, bytes
     :param clock: returns the current time in seconds (``time.monotonic`` in production; tests pass their own)
@@ -62,6 +65,7 @@ class Replanner:
         self._current: Plan | None = None
         self._solved_for: frozenset[PeerProfile] | None = None
         self._solved_at = 0.0
+        self._guessed: frozenset[str] = frozenset()  # peers the current plan planned without a measured rate
         self.last_reason = "no update yet"  # why the last update published or kept a plan, for logs
 
     @property
@@ -69,14 +73,17 @@ class Replanner:
         """The plan published last, or None before the first ``update``."""
         return self._current
 
-    def update(self, peers: Iterable[PeerProfile]) -> Plan | None:
-        """Consider the peers present now; returns the plan to publish, or None to keep the current one."""
-        peers = list(peers)
+    def update(self, peers: Iterable[PeerProfile], guessed: Iterable[str] = ()) -> Plan | None:
+        """Consider the peers present now; returns the plan to publish, or None to keep the current one.
+
+        :param guessed: the peers whose ``samples_per_second`` is a stand-in, not their own measured rate
+        """
+        peers, guessed = list(peers), frozenset(guessed)
         key = frozenset(peers)
         if self._current is None:
-            return self._publish(self._solve(peers, key), "first plan")
+            return self._publish(self._solve(peers, key), "first plan", guessed)
         if self._names_departed(peers):
-            return self._publish(self._solve(peers, key), "a peer named by the plan left")
+            return self._publish(self._solve(peers, key), "a peer named by the plan left", guessed)
         if key == self._solved_for:
             return self._keep("peers unchanged")
         if self._clock() - self._solved_at < self._min_interval_s:
@@ -85,9 +92,13 @@ class Replanner:
         if any(p.peer not in self._current.shares for p in peers):
             # the plan does not name a peer that is here: its averager falls back to hivemind's own fraction for
             # it, which the model does not describe, and it gets no attestation floor; however small the gain
-            return self._publish(candidate, "a peer the plan does not name joined")
+            return self._publish(candidate, "a peer the plan does not name joined", guessed)
+        measured_now = self._guessed - guessed
+        self._guessed &= guessed  # each peer's first measurement counts once
+        if measured_now and candidate.roles != self._current.roles:
+            return self._publish(candidate, "a peer's compute the plan guessed was measured", guessed)
         if self._improves(candidate, peers):
-            return self._publish(candidate, "new plan is faster by more than the threshold")
+            return self._publish(candidate, "new plan is faster by more than the threshold", guessed)
         return self._keep("new plan is not faster by more than the threshold")
 
     def _solve(self, peers: list[PeerProfile], key: frozenset[PeerProfile]) -> Plan:
@@ -125,8 +136,9 @@ class Replanner:
         return self._step is not None and candidate.roles != self._current.roles \
             and gain > self._min_improvement * scale
 
-    def _publish(self, plan: Plan, reason: str) -> Plan:
+    def _publish(self, plan: Plan, reason: str, guessed: frozenset[str]) -> Plan:
         self._current, self.last_reason = plan, reason
+        self._guessed = guessed & set(plan.shares)
         return plan
 
     def _keep(self, reason: str) -> Plan | None:
