@@ -140,7 +140,7 @@ class Coordinator(Base):
 
 class Snapshot(Base):
     """The swarm as the coordinator saw it at one poll. Crediting reads the coordinator's clock from these: when
-    the swarm was seen before and after an epoch (``app.credit.settlement.epoch_window``)."""
+    the swarm was seen before and after an epoch (``app.credit.windows.epoch_window``)."""
 
     __tablename__ = "snapshots"
     __table_args__ = (Index("ix_snapshots_run_id_epoch", "run_id", "epoch"),)

@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import statistics
 from dataclasses import replace
-from datetime import datetime
 from typing import Any, Iterable, Optional, Sequence
 
 from dedloc_common.contract import REACHABILITY
@@ -50,7 +49,7 @@ from sqlalchemy import delete, func, select, tuple_, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
-from app.core.clock import as_utc, utcnow
+from app.core.clock import utcnow
 from app.credit import attestations
 from app.credit.ceiling import in_force as ceiling_in_force
 from app.credit.decision import (  # noqa: F401  (re-exported: the names settlement's callers use)
@@ -71,7 +70,8 @@ from app.credit.decision import (  # noqa: F401  (re-exported: the names settlem
 )
 from app.credit.ledger import SignedMetrics, users_of_peer_ids
 from app.credit.spot_checks import account_holds
-from app.models import Contribution, Dispute, IssuedPeerToken, Peer, Receipt, Run, Snapshot
+from app.credit.windows import epoch_windows, observed_seconds
+from app.models import Contribution, Dispute, IssuedPeerToken, Peer, Receipt, Run
 
 
 def _insert_new(session: Session, model, rows: dict[tuple, dict], keys: list[str], known: Iterable[tuple]) -> list:
@@ -152,26 +152,6 @@ def acknowledgements(session: Session, run: Run, peer_keys: Iterable[str]) -> di
     return {peer_key: int(epoch) for peer_key, epoch in session.execute(query)}
 
 
-def epoch_window(session: Session, run: Run, epoch: int) -> tuple[datetime, Optional[datetime]]:
-    """When ``epoch`` began at the earliest and ended at the latest, by the coordinator's clock: its last snapshot
-    before the swarm reached the epoch (else the run's creation), and its first snapshot past the epoch (None while
-    there is none). Snapshots where no peer was online say nothing."""
-    seen = (Snapshot.run_id == run.id, Snapshot.peers_online > 0)
-    began = session.scalar(select(func.min(Snapshot.taken_at)).where(*seen, Snapshot.epoch >= epoch))
-    ended = session.scalar(select(func.min(Snapshot.taken_at)).where(*seen, Snapshot.epoch > epoch))
-    before = select(func.max(Snapshot.taken_at)).where(*seen, Snapshot.epoch < epoch)
-    start = session.scalar(before.where(Snapshot.taken_at < began) if began is not None else before)
-    return as_utc(start if start is not None else run.created_at), as_utc(ended) if ended is not None else None
-
-
-def observed_seconds(window: tuple[datetime, Optional[datetime]], recorded_at: datetime) -> float:
-    """The epoch's length at most: from ``window``'s start to its end, or to when the claim was recorded if that
-    came first (the epoch was over by then)."""
-    start, ended = window
-    end = as_utc(recorded_at) if ended is None else min(ended, as_utc(recorded_at))
-    return max((end - start).total_seconds(), 0.0)
-
-
 def settle(session: Session, run: Run, groups: Iterable[str], ungrouped: Sequence[tuple[str, int]] = ()) -> None:
     """Re-decide every claim in the rounds ``groups`` (and the round-less claims ``ungrouped``, by (peer key,
     epoch)) that no organizer released, from all receipts known now; keep their disputes in step."""
@@ -205,7 +185,7 @@ def settle(session: Session, run: Run, groups: Iterable[str], ungrouped: Sequenc
     known = owners(session, run, {row.peer_key for row in rows} | {
         aggregator for found in seen_by.values() for aggregator, _, _ in found})
     member_users = users_of_peer_ids(session, run, {member for row in rows for member in (row.members or ())})
-    windows = {epoch: epoch_window(session, run, epoch) for epoch in {row.epoch for row in rows}}
+    windows = epoch_windows(session, run, {row.epoch for row in rows})
     ceiling = ceiling_in_force(session, run).samples_per_second  # the organizer's, or derived from confirmed rates
     # an account a spot check holds (failed, or a drawn claim it could not judge) is held, whichever key it uses
     checked = account_holds(session, run, {known[row.peer_key][0] for row in rows if row.peer_key in known})
