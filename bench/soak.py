@@ -11,13 +11,18 @@ leaves with Ctrl-C, the coordinator settles what they published, and the checker
 logs and the sampler's series. Each run appends one row to ``bench/results/soak.json`` (and the table in
 ``soak.md``); the row says what the checker counted, not whether it is good: the bounds are in the issue and the note.
 
+Viewers (``view``) read the dashboard and the public API all along, as the run's audience would: the row counts their
+requests, answers of 500 or more, requests the portal did not answer while it was up, and the 95th percentile of the
+answered ones' latency.
+
 Not yet here: network namespaces with emulated links and NAT, 30-second link drops, a token that expires during a
-portal outage, dashboard viewers; the 5-minute variant in ``make test``.
+portal outage; the 5-minute variant in ``make test``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import random
@@ -54,6 +59,10 @@ TARGET_BATCH, BATCH = 1024, 16
 EVENTS = (("join", 4), ("leave", 2), ("kill", 2), ("restart-coordinator", 1), ("restart-portal", 1))
 TRACEBACK = "Traceback (most recent call last)"
 UNCONFIRMED = "not confirmed"  # how app.credit.decision words a claim no other volunteer's peer saw
+VIEW_SECONDS = 1.0  # between two viewers' requests
+# what a run's audience reads: the dashboard and what its script polls, the public API
+VIEWED = ("/runs/soak", "/api/v1/runs/soak/swarm", "/api/v1/runs/soak/progress", "/api/v1/runs/soak/history",
+          "/api/v1/runs/soak/plan", "/api/v1/runs/soak/leaderboard", "/api/v1/runs/soak/status", "/runs/soak/join")
 
 
 @dataclass
@@ -72,6 +81,8 @@ class Soak:
     samples: list = field(default_factory=list)  # {"at", "process", "rss", "fds", "threads"}
     banned: Optional[str] = None
     banned_at: Optional[float] = None
+    views: list = field(default_factory=list)  # {"at", "path", "status" (None: no answer), "ms"}
+    portal_down: bool = False  # from a scheduled restart's stop until a viewer's first answer after it
 
     def log(self, name: str) -> Path:
         return self.work / "logs" / f"{name}.log"
@@ -139,6 +150,7 @@ def apply(soak: Soak, event: str, rng: random.Random, users: list[str]) -> None:
         soak.note(event, user)
     elif event.startswith("restart-"):  # the coordinator or the portal, down for 5 s
         server = event.removeprefix("restart-")
+        soak.portal_down = soak.portal_down or server == "portal"
         stop_all([getattr(soak, server)], grace=10)
         soak.note(f"{server} down")
         time.sleep(5)
@@ -150,6 +162,22 @@ def apply(soak: Soak, event: str, rng: random.Random, users: list[str]) -> None:
         if result.returncode == 0:
             soak.banned, soak.banned_at = user, time.time()
             soak.note("ban", user)
+
+
+def view(soak: Soak, stop: threading.Event) -> None:
+    """Read the dashboard and the public API in turn until ``stop``, one request every ``VIEW_SECONDS``."""
+    with httpx.Client(base_url=soak.url, timeout=10) as client:
+        for index in itertools.count():
+            if stop.wait(VIEW_SECONDS):
+                return
+            path, began = VIEWED[index % len(VIEWED)], time.perf_counter()
+            try:
+                status: Optional[int] = client.get(path).status_code
+                soak.portal_down = False
+            except httpx.HTTPError:
+                status = None
+            soak.views.append(dict(at=time.time(), path=path, status=status, during_restart=soak.portal_down,
+                                   ms=(time.perf_counter() - began) * 1000))
 
 
 def sample(soak: Soak) -> None:
@@ -198,6 +226,7 @@ def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[
     period = SAMPLE_SECONDS if minutes >= 10 else 10.0
     sampler = threading.Thread(target=lambda: [sample(soak) for _ in iter(lambda: stop_sampling.wait(period), True)],
                                daemon=True)
+    viewer = threading.Thread(target=view, args=(soak, stop_sampling), daemon=True)
     began = time.time()
     try:
         soak.start_portal()
@@ -210,6 +239,7 @@ def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[
             soak.start_worker(user)
             soak.note("join", user)
         sampler.start()
+        viewer.start()
         sample(soak)
         for at, event in schedule(seed, seconds):
             time.sleep(max(0.0, began + at - time.time()))
@@ -279,6 +309,7 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
     logs = sorted((soak.work / "logs").glob("*.log"))
     tracebacks = {log.stem: log.read_text(errors="replace").count(TRACEBACK) for log in logs}
     growth = rss_growth(soak.samples, began, minutes * 60)
+    answered = sorted(v["ms"] for v in soak.views if v["status"] is not None)
     return dict(
         seed=seed, minutes=minutes, algorithm=algorithm, workers=soak.workers,
         events={kind: sum(1 for e in soak.events if e["event"] == kind) for kind in
@@ -294,6 +325,12 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
         rss_growth_per_hour=growth,
         fds_last={name: series[-1]["fds"] for name, series in _series(soak.samples).items()},
         threads_last={name: series[-1]["threads"] for name, series in _series(soak.samples).items()},
+        viewer_requests=len(soak.views),
+        viewer_errors=sum(1 for v in soak.views if v["status"] is not None and v["status"] >= 500),
+        viewer_unanswered=sum(1 for v in soak.views if v["status"] is None and not v["during_restart"]),
+        viewer_p95_ms=round(answered[int(0.95 * (len(answered) - 1))]) if answered else None,
+        viewer_errors_by_path={path: n for path in VIEWED if (n := sum(
+            1 for v in soak.views if v["path"] == path and (v["status"] or 0) >= 500))},
         rows=rows,
     )
 
@@ -357,18 +394,20 @@ def markdown(rows: list) -> str:
              "shared step. Rows before 2026-12-07 06:00 counted both as uncredited.",
              "", "| seed | minutes | algorithm | events | epochs | uncredited epochs (share of samples) | unconfirmed "
              "epochs (share) | double credited | banned past bound | tracebacks | longest stall s | RSS growth per "
-             "hour (after warm-up) |",
-             "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- |"]
+             "hour (after warm-up) | viewers: requests, 5xx, unanswered, p95 ms |",
+             "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         events = ", ".join(f"{v} {k}" for k, v in r["events"].items() if v)
         growth = ", ".join(f"{k} {v:+.1%}" for k, v in r["rss_growth_per_hour"].items() if v is not None)
         unconfirmed = (f"{r['unconfirmed_epochs']} ({r['unconfirmed_samples_share']:.1%})"
                        if "unconfirmed_epochs" in r else "-")
+        viewers = (f"{r['viewer_requests']}, {r['viewer_errors']}, {r['viewer_unanswered']}, {r['viewer_p95_ms']}"
+                   if "viewer_requests" in r else "-")
         lines.append(f"| {r['seed']} | {r['minutes']:g} | {r['algorithm']} | {events} | {r['epochs']} | "
                      f"{r['uncredited_epochs']} of {r['honest_claims']} ({r['uncredited_samples_share']:.1%}) | "
                      f"{unconfirmed} | "
                      f"{r['double_credited_epochs']} | {r['banned_credit_past_bound']} | {r['tracebacks']} | "
-                     f"{r['longest_stall_seconds']} ({r['longest_stall_near']}) | {growth} |")
+                     f"{r['longest_stall_seconds']} ({r['longest_stall_near']}) | {growth} | {viewers} |")
     return "\n".join(lines) + "\n"
 
 
