@@ -164,6 +164,29 @@ def test_a_claimant_that_leaves_honest_aggregators_out_of_its_members_cannot_tur
                                        "(2 of 2 other volunteers agree)")
 
 
+
+def test_a_peer_that_joined_its_round_with_weight_0_is_unconfirmed_not_outvoted(sessions, tmp_path):
+    """hivemind tags a peer that is catching up with the swarm (or leaving) along a round with weight 0, while its
+    claim counts what it trained: seen in the soak bench as "claimed 48 samples, the peers that averaged with it
+    saw 0 (3 of 3 other volunteers agree)", a contest it never was. With the majority at hivemind's weight 0 the
+    claim reads as unconfirmed, raises no dispute and credits 0. The control: a sender seen at half its claim is
+    still outvoted in those words."""
+    from app.credit.decision import WEIGHTLESS
+
+    with sessions() as session:
+        run = aged_run(session, "weightless")
+        alice, bob, carol = (Peer(session, run, name, tmp_path, i) for i, name in enumerate(("alice", "bob", "carol")))
+        tagged = round_of("tagged", 1, {alice: 100, bob: 0, carol: 100}, claims={bob: 48})
+        halved = round_of("halved", 2, {alice: 100, bob: 24, carol: 100}, claims={bob: 48})
+        credit_epochs(session, run, tagged + halved)
+        rows = {row.epoch: row for row in session.query(Contribution).filter_by(run_id=run.id, username="bob")}
+        assert (rows[1].credited, rows[1].held, rows[1].reason) == (0, 48, WEIGHTLESS)
+        assert (rows[2].credited, rows[2].held) == (24, 24)
+        assert rows[2].reason == ("claimed 48 samples, the peers that averaged with it saw 24 "
+                                  "(2 of 2 other volunteers agree)")
+        assert disputes_by_author(session, run) == {}
+        assert totals(session, run)["alice"] == (200, 0)
+
 def add_snapshots(session, run, *points: tuple[float, int]) -> None:
     """Snapshots the coordinator took ``seconds`` ago at swarm epoch ``epoch`` (with a peer online)."""
     now = utcnow()

@@ -18,6 +18,8 @@ NO_ROUND = ("not confirmed: no averaging round formed in this epoch, so no other
             f"(rounds fail when peers are slow or leave; {NOT_ACCUSED})")
 ALONE = ("not confirmed: the averaging round did not form with anyone else, no other volunteer averaged with this "
          f"peer, so nobody could confirm these samples ({NOT_ACCUSED})")
+WEIGHTLESS = ("not confirmed: its round's other volunteers saw it join with weight 0, as a peer catching up with the "
+              f"swarm or leaving joins a round, so these samples entered no shared step ({NOT_ACCUSED})")
 NO_MEMBERS = ("not confirmed: this worker did not list its round's members (a dedloc-worker older than the "
               "portal's): update it")
 # Dispute kinds, against the receipt's author.
@@ -52,7 +54,7 @@ def view_of(weight: float, claimed: int) -> int:
 
 def decide(claimed: int, observed_seconds: float, seen_by: Mapping[str, float], ceiling: float, *,
            round_formed: bool = True, members_listed: bool = True, others_in_round: int = 0,
-           own_account: Sequence[float] = (), username: str = "") -> Decision:
+           own_account: Sequence[float] = (), username: str = "", weightless: bool = False) -> Decision:
     """Credit ``claimed`` samples as the claimant and the other users of its round agree, up to ``ceiling``
     samples/s over ``observed_seconds``.
 
@@ -63,6 +65,8 @@ def decide(claimed: int, observed_seconds: float, seen_by: Mapping[str, float], 
     :param round_formed: the claim names a round; ``members_listed``: its record lists the round's members
     :param others_in_round: other users among the listed members (for the words when none confirmed)
     :param own_account: what peers of the claimant's own account said they saw (counts for nothing, named)
+    :param weightless: every receipt is hivemind's weight 0 itself, not a cut of the aggregator's (zeros, NaN, the
+        cap): where the majority agrees on 0 the claim is unconfirmed, not contested
     """
     if claimed <= 0:
         return Decision(0, 0, None)
@@ -75,7 +79,9 @@ def decide(claimed: int, observed_seconds: float, seen_by: Mapping[str, float], 
         value, count = max(votes.items(), key=lambda item: (item[1], -item[0]))
         if 2 * count > len(views) + 1:
             agreed = supported = value
-            if value < claimed:
+            if value == 0 and weightless:
+                reasons.append(WEIGHTLESS)
+            elif value < claimed:
                 agreeing = sum(1 for view in views.values() if view == value)
                 reasons.append(f"claimed {claimed:,} samples, the peers that averaged with it saw {value:,} "
                                f"({agreeing} of {len(views)} other volunteers agree)")

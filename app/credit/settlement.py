@@ -244,8 +244,10 @@ def _decide_row(row, known, member_users, seen_by, listed_by, run: Run, window: 
         voices.setdefault(author, []).append(weight)
     others = {member_users[m] for m in members if m in member_users} - {username}
     seen = {author: statistics.median_low(weights) for author, weights in voices.items()}
+    # hivemind's own weight 0 (a peer catching up or leaving tags along): no aggregator's note cut it
+    weightless = bool(counted) and all(weight == 0 and not notes[aggregator] for aggregator, _, weight in counted)
     decision = decide(row.samples, window, seen, ceiling, round_formed=bool(row.group_id), members_listed=bool(members),
-                      others_in_round=len(others), own_account=own, username=username)
+                      others_in_round=len(others), own_account=own, username=username, weightless=weightless)
     decision = _with_shortfall(decision, row.samples, [note for note in notes.values() if note])
 
     def against(aggregator: str, author: str, weight: float, kind: str) -> None:
