@@ -8,8 +8,10 @@ The schedule (``schedule``) draws an event every ``EVENT_SECONDS`` on average fr
 ``MIN_RUNNING`` workers training; the run's founder starts first and the others join once it trains. A sampler
 records each long-lived process tree's RSS, open files and threads every ``SAMPLE_SECONDS``. At the end every worker
 leaves with Ctrl-C, the coordinator settles what they published, and the checker (``check``) reads the database, the
-logs and the sampler's series. Each run appends one row to ``bench/results/soak.json`` (and the table in
-``soak.md``); the row says what the checker counted, not whether it is good: the bounds are in the issue and the note.
+logs and the sampler's series. A watcher (``watch``) reads the workers' terminal lines as they come, so the longest
+stall is what the volunteers saw, also while the coordinator is down. Each run appends one row to
+``bench/results/soak.json`` (and the table in ``soak.md``); the row says what the checker counted, not whether it is
+good: the bounds are in docs/architecture.md#outages and the note.
 
 Viewers (``view``) read the dashboard and the public API all along, as the run's audience would: the row counts their
 requests, answers of 500 or more, requests the portal did not answer while it was up, and the 95th percentile of the
@@ -60,6 +62,8 @@ EVENTS = (("join", 4), ("leave", 2), ("kill", 2), ("restart-coordinator", 1), ("
 TRACEBACK = "Traceback (most recent call last)"
 UNCONFIRMED = "not confirmed"  # how app.credit.decision words a claim no other volunteer's peer saw
 VIEW_SECONDS = 1.0  # between two viewers' requests
+WATCH_SECONDS = 1.0  # between two reads of the workers' terminal lines
+EPOCH_LINE = re.compile(r"^epoch (\d+) \|", re.MULTILINE)  # a worker's line per epoch (dedloc_worker.terminal)
 # what a run's audience reads: the dashboard and what its script polls, the public API
 VIEWED = ("/runs/soak", "/api/v1/runs/soak/swarm", "/api/v1/runs/soak/progress", "/api/v1/runs/soak/history",
           "/api/v1/runs/soak/plan", "/api/v1/runs/soak/leaderboard", "/api/v1/runs/soak/status", "/runs/soak/join")
@@ -82,6 +86,7 @@ class Soak:
     banned: Optional[str] = None
     banned_at: Optional[float] = None
     views: list = field(default_factory=list)  # {"at", "path", "status" (None: no answer), "ms"}
+    progress: list = field(default_factory=list)  # (unix time, the newest epoch any worker's terminal showed)
     portal_down: bool = False  # from a scheduled restart's stop until a viewer's first answer after it
 
     def log(self, name: str) -> Path:
@@ -180,6 +185,24 @@ def view(soak: Soak, stop: threading.Event) -> None:
                                    ms=(time.perf_counter() - began) * 1000))
 
 
+def watch(soak: Soak, stop: threading.Event) -> None:
+    """Until ``stop``, read what the workers printed since the last read and note the newest epoch any of them
+    reached: training's progress as the volunteers see it, also while the coordinator (whose snapshots the database
+    holds) is down."""
+    offsets: dict[Path, int] = {}
+    while not stop.wait(WATCH_SECONDS):
+        newest = None
+        for log in sorted((soak.work / "logs").glob("volunteer*.log")):
+            with log.open("rb") as handle:
+                handle.seek(offsets.get(log, 0))
+                text = handle.read().decode(errors="replace")
+                offsets[log] = handle.tell()
+            for found in EPOCH_LINE.finditer(text):
+                newest = max(newest or 0, int(found.group(1)))
+        if newest is not None:
+            soak.progress.append((time.time(), newest))
+
+
 def sample(soak: Soak) -> None:
     """RSS, open files and threads of each long-lived process tree (its children: p2pd, averagers)."""
     trees = {"portal": soak.portal, "coordinator": soak.coordinator,
@@ -227,6 +250,7 @@ def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[
     sampler = threading.Thread(target=lambda: [sample(soak) for _ in iter(lambda: stop_sampling.wait(period), True)],
                                daemon=True)
     viewer = threading.Thread(target=view, args=(soak, stop_sampling), daemon=True)
+    watcher = threading.Thread(target=watch, args=(soak, stop_sampling), daemon=True)
     began = time.time()
     try:
         soak.start_portal()
@@ -240,6 +264,7 @@ def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[
             soak.note("join", user)
         sampler.start()
         viewer.start()
+        watcher.start()
         sample(soak)
         for at, event in schedule(seed, seconds):
             time.sleep(max(0.0, began + at - time.time()))
@@ -296,14 +321,8 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
     banned_after = [c for c in claims if soak.banned and c.username == soak.banned and c.credited > 0
                     and _unix(c.recorded_at) > (soak.banned_at or 0) + BAN_BOUND_SECONDS]
 
-    stall, stall_at = 0.0, None
-    last_change: Optional[tuple[float, int]] = None
-    for taken_at, epoch in snapshots:
-        when = _unix(taken_at)
-        if last_change is None or epoch > last_change[1]:
-            if last_change is not None and when - last_change[0] > stall:
-                stall, stall_at = when - last_change[0], last_change[0]
-            last_change = (when, epoch)
+    stall, stall_at = longest_stall(soak.progress)
+    snapshot_gap, _ = longest_stall([(_unix(taken_at), epoch) for taken_at, epoch in snapshots])
     stall_cause = _nearest_event(soak.events, stall_at) if stall_at is not None else None
 
     logs = sorted((soak.work / "logs").glob("*.log"))
@@ -322,6 +341,7 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
         double_credited_epochs=double, banned_credit_past_bound=len(banned_after),
         tracebacks=sum(tracebacks.values()), tracebacks_by_log={k: v for k, v in tracebacks.items() if v},
         longest_stall_seconds=round(stall, 1), longest_stall_near=stall_cause,
+        longest_snapshot_gap_seconds=round(snapshot_gap, 1),
         rss_growth_per_hour=growth,
         fds_last={name: series[-1]["fds"] for name, series in _series(soak.samples).items()},
         threads_last={name: series[-1]["threads"] for name, series in _series(soak.samples).items()},
@@ -333,6 +353,19 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
             1 for v in soak.views if v["path"] == path and (v["status"] or 0) >= 500))},
         rows=rows,
     )
+
+
+def longest_stall(progress: list) -> tuple[float, Optional[float]]:
+    """(the longest time between two increases of the epoch in ``progress``, (time, epoch) in time order; when
+    that stretch began), (0, None) with fewer than two increases."""
+    stall, stall_at = 0.0, None
+    last_change: Optional[tuple[float, int]] = None
+    for when, epoch in progress:
+        if last_change is None or epoch > last_change[1]:
+            if last_change is not None and when - last_change[0] > stall:
+                stall, stall_at = when - last_change[0], last_change[0]
+            last_change = (when, epoch)
+    return stall, stall_at
 
 
 def rss_growth(samples: list, began: float, seconds: float) -> dict:
@@ -391,7 +424,10 @@ def markdown(rows: list) -> str:
              "Written by `python -m bench.soak` (method: docs/benchmarks.md#soak). One row per run; loopback, tiny-lm.",
              "Uncredited: honest claims other volunteers averaged with, yet held (disputes, the ceiling); unconfirmed:"
              " claims no other volunteer averaged (no round formed, or it did not finish), whose samples entered no "
-             "shared step. Rows before 2026-12-07 06:00 counted both as uncredited.",
+             "shared step. Rows before 2026-12-07 06:00 counted both as uncredited. Longest stall: the longest time "
+             "between two new epochs in the workers' terminal lines, and the event nearest its start (rows before "
+             "2026-12-07 13:00: in the coordinator's snapshots, which stop while it is down; later rows give that as "
+             "\"snapshots\").",
              "", "| seed | minutes | algorithm | events | epochs | uncredited epochs (share of samples) | unconfirmed "
              "epochs (share) | double credited | banned past bound | tracebacks | longest stall s | RSS growth per "
              "hour (after warm-up) | viewers: requests, 5xx, unanswered, p95 ms |",
@@ -401,13 +437,14 @@ def markdown(rows: list) -> str:
         growth = ", ".join(f"{k} {v:+.1%}" for k, v in r["rss_growth_per_hour"].items() if v is not None)
         unconfirmed = (f"{r['unconfirmed_epochs']} ({r['unconfirmed_samples_share']:.1%})"
                        if "unconfirmed_epochs" in r else "-")
+        gap = (f"; snapshots {r['longest_snapshot_gap_seconds']}" if "longest_snapshot_gap_seconds" in r else "")
         viewers = (f"{r['viewer_requests']}, {r['viewer_errors']}, {r['viewer_unanswered']}, {r['viewer_p95_ms']}"
                    if "viewer_requests" in r else "-")
         lines.append(f"| {r['seed']} | {r['minutes']:g} | {r['algorithm']} | {events} | {r['epochs']} | "
                      f"{r['uncredited_epochs']} of {r['honest_claims']} ({r['uncredited_samples_share']:.1%}) | "
                      f"{unconfirmed} | "
                      f"{r['double_credited_epochs']} | {r['banned_credit_past_bound']} | {r['tracebacks']} | "
-                     f"{r['longest_stall_seconds']} ({r['longest_stall_near']}) | {growth} | {viewers} |")
+                     f"{r['longest_stall_seconds']} ({r['longest_stall_near']}{gap}) | {growth} | {viewers} |")
     return "\n".join(lines) + "\n"
 
 
