@@ -33,7 +33,7 @@ MULTIPLE = 4.0
 """The derived ceiling over the second-fastest account's measured rate: room for an epoch that went faster than a
 peer's average, and for a peer up to 4x faster than that account (a GPU joining CPU peers needs an organizer's)."""
 WINDOW_EPOCHS = 50
-MIN_CONFIRMED = 3  # confirmed claims a peer key needs in the window before its median counts
+MIN_CONFIRMED = 3  # confirmed claims a peer key needs in the window before its rate counts
 
 
 @dataclass(frozen=True)
