@@ -87,7 +87,6 @@ class Soak:
     banned_at: Optional[float] = None
     views: list = field(default_factory=list)  # {"at", "path", "status" (None: no answer), "ms"}
     progress: list = field(default_factory=list)  # (unix time, the newest epoch any worker's terminal showed)
-    portal_down: bool = False  # from a scheduled restart's stop until a viewer's first answer after it
 
     def log(self, name: str) -> Path:
         return self.work / "logs" / f"{name}.log"
@@ -155,7 +154,6 @@ def apply(soak: Soak, event: str, rng: random.Random, users: list[str]) -> None:
         soak.note(event, user)
     elif event.startswith("restart-"):  # the coordinator or the portal, down for 5 s
         server = event.removeprefix("restart-")
-        soak.portal_down = soak.portal_down or server == "portal"
         stop_all([getattr(soak, server)], grace=10)
         soak.note(f"{server} down")
         time.sleep(5)
@@ -178,11 +176,9 @@ def view(soak: Soak, stop: threading.Event) -> None:
             path, began = VIEWED[index % len(VIEWED)], time.perf_counter()
             try:
                 status: Optional[int] = client.get(path).status_code
-                soak.portal_down = False
             except httpx.HTTPError:
                 status = None
-            soak.views.append(dict(at=time.time(), path=path, status=status, during_restart=soak.portal_down,
-                                   ms=(time.perf_counter() - began) * 1000))
+            soak.views.append(dict(at=time.time(), path=path, status=status, ms=(time.perf_counter() - began) * 1000))
 
 
 def watch(soak: Soak, stop: threading.Event) -> None:
@@ -224,7 +220,7 @@ def sample(soak: Soak) -> None:
                     continue
         except psutil.NoSuchProcess:
             continue
-        soak.samples.append(dict(at=now, process=name, rss=rss, fds=fds, threads=threads))
+        soak.samples.append(dict(at=now, process=name, pid=proc.pid, rss=rss, fds=fds, threads=threads))
 
 
 def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[Path]) -> dict:
@@ -329,6 +325,10 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
     tracebacks = {log.stem: log.read_text(errors="replace").count(TRACEBACK) for log in logs}
     growth = rss_growth(soak.samples, began, minutes * 60)
     answered = sorted(v["ms"] for v in soak.views if v["status"] is not None)
+    restarts = restart_windows(soak.events, soak.views)
+    # the raw series, for a second look at a kept run (--keep copies the folder)
+    (soak.work / "series.json").write_text(json.dumps(dict(events=soak.events, samples=soak.samples, views=soak.views,
+                                                           progress=soak.progress)))
     return dict(
         seed=seed, minutes=minutes, algorithm=algorithm, workers=soak.workers,
         events={kind: sum(1 for e in soak.events if e["event"] == kind) for kind in
@@ -347,7 +347,8 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
         threads_last={name: series[-1]["threads"] for name, series in _series(soak.samples).items()},
         viewer_requests=len(soak.views),
         viewer_errors=sum(1 for v in soak.views if v["status"] is not None and v["status"] >= 500),
-        viewer_unanswered=sum(1 for v in soak.views if v["status"] is None and not v["during_restart"]),
+        viewer_unanswered=sum(1 for v in soak.views if v["status"] is None
+                              and not any(start <= v["at"] <= end for start, end in restarts)),
         viewer_p95_ms=round(answered[int(0.95 * (len(answered) - 1))]) if answered else None,
         viewer_errors_by_path={path: n for path in VIEWED if (n := sum(
             1 for v in soak.views if v["path"] == path and (v["status"] or 0) >= 500))},
@@ -369,18 +370,34 @@ def longest_stall(progress: list) -> tuple[float, Optional[float]]:
 
 
 def rss_growth(samples: list, began: float, seconds: float) -> dict:
-    """Per process tree: the slope of its RSS after the warm-up (least squares), per hour, over its mean RSS there;
-    None with fewer than three samples after the warm-up (a worker that came and went)."""
+    """Per process tree: the slope of its RSS after the warm-up (least squares), per hour, over its mean RSS there,
+    for its longest-lived process after the warm-up (a restarted portal or coordinator starts small again: across a
+    restart the slope is start-up, not a leak); None with fewer than three samples (a worker that came and went)."""
     warm = began + WARM_UP_SHARE * seconds
     growth = {}
     for name, series in _series(samples).items():
-        points = [(s["at"], s["rss"]) for s in series if s["at"] >= warm]
+        instances: dict[int, list] = {}
+        for sampled in series:
+            if sampled["at"] >= warm:
+                instances.setdefault(sampled.get("pid", 0), []).append((sampled["at"], sampled["rss"]))
+        points = max(instances.values(), key=len, default=[])
         if len(points) < 3:
             growth[name] = None
             continue
         slope = statistics.linear_regression([t for t, _ in points], [r for _, r in points]).slope
         growth[name] = round(slope * 3600 / statistics.mean(r for _, r in points), 4)
     return growth
+
+
+def restart_windows(events: list, views: list) -> list[tuple[float, float]]:
+    """(from, to) unix times of each scheduled portal restart: from its stop to the first answer a viewer got after it
+    started again (a minute after that start if none came)."""
+    windows = []
+    for down in (e for e in events if e["event"] == "portal down"):
+        up = next((e["at"] for e in events if e["event"] == "portal up" and e["at"] >= down["at"]), down["at"])
+        answered = next((v["at"] for v in views if v["at"] > up and v["status"] is not None), up + 60.0)
+        windows.append((down["at"], answered))
+    return windows
 
 
 def _series(samples: list) -> dict:
