@@ -7,6 +7,8 @@
 - ``throttled.py``: dedloc-worker training several times slower than the machine lets it (tests/test_swarm.py).
 - ``flipper.py``: dedloc-worker sending sign-flipped gradients, sketched as sent (tests/test_spot_checks.py).
 - ``poisoner.py``: one peer of a four-peer averaging swarm, honest or poisoning (tests/test_robust_aggregation.py).
+- ``chain.py``: how liar.py, share_liar.py and throttled.py go on: into the next wrapper on the command line, else
+  the worker.
 - ``faulty_task.py``: a task plugin that raises after a few mini-steps, loaded by the worker as
   ``tests.support.actors.faulty_task:ExplodingTask`` (tests/test_hivemind.py).
 """

@@ -8,10 +8,9 @@ metrics: claims 100x its samples in its signed metrics record only.
 both:    also averages with 100x its weight, so aggregators see (and confirm) the inflated number.
 """
 
-import runpy
 import sys
 
-from dedloc_worker import cli
+from chain import go_on
 from dedloc_worker.training import loop as trainer
 
 # far past the test's ceiling of 3x a solo worker's rate, however slow the shared cores make this one (at 30x,
@@ -38,8 +37,4 @@ if mode == "both":
 
     GradientAverager.step = inflated_step
 
-if sys.argv[1].endswith(".py"):  # another wrapper goes on from here, with this one's patches in place
-    sys.argv.pop(0)
-    runpy.run_path(sys.argv[0], run_name="__main__")
-else:
-    cli.main(sys.argv[1:])
+go_on()  # into the next wrapper on the command line, or the worker

@@ -13,11 +13,10 @@ reducer), so that a test of the check fails on the code before it.
 """
 
 import json
-import runpy
 import sys
 from pathlib import Path
 
-from dedloc_worker import cli
+from chain import go_on
 from dedloc_worker.averaging import planned as averaging
 from dedloc_worker.averaging.announcements import PLAN_MARKER
 from hivemind.averaging import DecentralizedAverager
@@ -81,8 +80,4 @@ DecentralizedAverager.step = lying_step
 averaging.PlannedAverager._aggregate_with_group = noting_aggregate
 TensorPartReducer.accumulate_part = corrupting_accumulate
 
-if sys.argv[1].endswith(".py"):  # another wrapper goes on from here, with this one's patches in place
-    sys.argv.pop(0)
-    runpy.run_path(sys.argv[0], run_name="__main__")
-else:
-    cli.main(sys.argv[1:])
+go_on()  # into the next wrapper on the command line, or the worker

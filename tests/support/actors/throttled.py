@@ -8,11 +8,10 @@ Each mini-step sleeps (FACTOR - 1) times what it took, in the training thread on
 as fast as they would, and the measured rate the worker reports is its own.
 """
 
-import runpy
 import sys
 import time
 
-from dedloc_worker import cli
+from chain import go_on
 from dedloc_worker.training import loop as trainer
 
 factor = float(sys.argv.pop(1))
@@ -28,8 +27,4 @@ def throttled(*args, **kwargs):
 
 trainer.mini_step = throttled
 
-if sys.argv[1].endswith(".py"):  # another wrapper goes on from here, with this one's patches in place
-    sys.argv.pop(0)
-    runpy.run_path(sys.argv[0], run_name="__main__")
-else:
-    cli.main(sys.argv[1:])
+go_on()  # into the next wrapper on the command line, or the worker
