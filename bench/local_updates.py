@@ -82,7 +82,7 @@ class Case:
     compression: str
     epochs: int
     skip: int
-    outer_steps: Optional[int] = None  # outer batch = this many TARGET_BATCH; None: the run's default (32)
+    outer_steps: Optional[int] = None  # outer batch = this many TARGET_BATCH; None: the run's default (64)
     outer_momentum: Optional[float] = None  # None: the run's default (DiLoCo's 0.9)
     overlap: bool = True  # local updates: the outer round runs during the next inner steps (overlap_outer_rounds)
 
@@ -100,15 +100,17 @@ class Case:
 CASES = [
     Case("large-batch", "large-batch", "fp16", epochs=16, skip=6),
     Case("large-batch uint8", "large-batch", "uint8", epochs=16, skip=6),
-    Case("local-updates", "local-updates", "fp16", epochs=5, skip=1),  # the default outer batch: 32 steps
-    # each peer waits for its outer round before training on (the run's default): the overlap's gain
-    Case("local-updates waiting", "local-updates", "fp16", epochs=5, skip=1, overlap=False),
-    Case("local-updates uint8", "local-updates", "uint8", epochs=5, skip=1),
+    Case("local-updates", "local-updates", "fp16", epochs=4, skip=1),  # the run's defaults: 64 steps, overlapped
+    # each peer waits for its outer round before training on (overlap_outer_rounds false): the overlap's gain
+    Case("local-updates waiting", "local-updates", "fp16", epochs=4, skip=1, overlap=False),
+    Case("local-updates uint8", "local-updates", "uint8", epochs=4, skip=1),
+    Case("local-updates 32 steps", "local-updates", "fp16", epochs=5, skip=1, outer_steps=32),
     Case("local-updates 8 steps", "local-updates", "fp16", epochs=9, skip=1, outer_steps=8),
     Case("local-updates 8 steps waiting", "local-updates", "fp16", epochs=9, skip=1, outer_steps=8, overlap=False),
-    Case("local-updates 64 steps", "local-updates", "fp16", epochs=4, skip=1, outer_steps=64),
     # DiLoCo's outer momentum of 0.9 is tuned for hundreds of rounds; a run of a few rounds, as here, with 0.5
-    Case("local-updates momentum 0.5", "local-updates", "fp16", epochs=5, skip=1, outer_momentum=0.5),
+    Case("local-updates momentum 0.5", "local-updates", "fp16", epochs=4, skip=1, outer_momentum=0.5),
+    # the quality gap at DiLoCo's defaults over more rounds: does it close as the momentum settles?
+    Case("local-updates 20 rounds", "local-updates", "fp16", epochs=21, skip=1, outer_steps=32),
 ]
 QUICK_CASES = [
     Case("large-batch", "large-batch", "fp16", epochs=10, skip=4),

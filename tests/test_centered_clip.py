@@ -153,8 +153,8 @@ def test_the_worker_takes_its_rule_from_the_run_config():
     assert robust_rule(config(aggregation="mean")) is None
     # the cap's clock starts where the senders began accumulating: after the previous round, or as it began
     assert not robust_rule(config(delay_grad_averaging=False)).overlapped
-    assert not robust_rule(config(algorithm="local-updates")).overlapped
-    assert robust_rule(config(algorithm="local-updates", overlap_outer_rounds=True)).overlapped
+    assert robust_rule(config(algorithm="local-updates")).overlapped  # overlapped outer rounds, the default
+    assert not robust_rule(config(algorithm="local-updates", overlap_outer_rounds=False)).overlapped
 
 
 def test_the_caps_clock_starts_where_senders_began_accumulating():

@@ -67,8 +67,9 @@ def test_the_progress_and_the_dashboard_name_the_training_algorithm(sessions, da
         local_run = registry.create_run(session, slug="dil", title="DiLoCo", target_batch_size=256, batch_size=16,
                                         optimizer={"algorithm": "local-updates"}, target_epochs=12)
         registry.create_run(session, slug="big", title="Large", target_batch_size=256, batch_size=16)
-        # two outer rounds; an epoch is an outer round of 8,192 samples, so 10 left at 1,024 samples/s take 80 s
-        session.add(snapshot(local_run, 2, 1024.0, 1))
+        # two outer rounds; an epoch is an outer round of 16,384 samples by default, so 10 left at 2,048 samples/s
+        # take 80 s
+        session.add(snapshot(local_run, 2, 2048.0, 1))
         session.add_all([Contribution(run_id=local_run.id, peer_key=name, epoch=epoch, username=name, samples=samples,
                                       loss_sum=1.0, mini_steps=samples // 16, seconds=8.04, group_id=f"g{epoch}",
                                       compute_seconds=compute, sent_bytes=sent)
@@ -77,7 +78,7 @@ def test_the_progress_and_the_dashboard_name_the_training_algorithm(sessions, da
         session.commit()
     with TestClient(create_app(Settings(database_url=database_url, data_dir=tmp_path))) as client:
         local = client.get("/api/v1/runs/dil/progress").json()
-        assert (local["algorithm"], local["outer_batch_size"]) == ("local-updates", 32 * 256)
+        assert (local["algorithm"], local["outer_batch_size"]) == ("local-updates", 64 * 256)
         assert local["eta_seconds"] == 80.0
         assert [r["epoch"] for r in local["recent_rounds"]] == [1, 0]
         assert local["recent_rounds"][0]["peers"] == [
@@ -87,7 +88,7 @@ def test_the_progress_and_the_dashboard_name_the_training_algorithm(sessions, da
             {"username": "ben", "inner_steps": 128, "samples": 2048, "seconds": 8.0, "bytes_per_sample": None,
              "compute_share": None}]
         page = " ".join(client.get("/runs/dil").text.split())
-        assert "an outer round every 8,192 samples" in page and "Outer round 2 of 12" in page
+        assert "an outer round every 16,384 samples" in page and "Outer round 2 of 12" in page
         assert "<td>1</td><td>ann</td><td>384</td> <td>6,144</td><td>8.0</td> <td>100.0</td> <td>75%</td>" in page
         assert "<td>1</td><td>ben</td><td>128</td> <td>2,048</td><td>8.0</td> <td>-</td> <td>-</td>" in page
         large = client.get("/api/v1/runs/big/progress").json()

@@ -71,7 +71,7 @@ def metrics_key(run_id: str) -> str:
 
 STATE_EVERY = 10  # OptimizerOptions.average_state_every by default; hivemind's is 1 (docs/hivemind.md#pitfalls, 12)
 # A local-updates run's outer batch by default, in target batch sizes (docs/training-algorithms.md).
-OUTER_BATCH_MULTIPLE = 32
+OUTER_BATCH_MULTIPLE = 64
 
 
 class OptimizerOptions(BaseModel):
@@ -125,9 +125,9 @@ class OptimizerOptions(BaseModel):
     outer_lr: float = Field(0.7, gt=0, allow_inf_nan=False)
     outer_momentum: float = Field(0.9, ge=0, lt=1)
     # local-updates: each outer round runs while the next inner steps train, and is applied when it ends (while a
-    # round takes at most a quarter of a phase; docs/training-algorithms.md#overlap). Off by default until it holds
-    # up under the swarm test's failures as waiting for each round does.
-    overlap_outer_rounds: bool = False
+    # round takes at most a quarter of a phase; docs/training-algorithms.md#overlap), so the GPU does not wait for
+    # the network. False: each peer waits for its round.
+    overlap_outer_rounds: bool = True
 
     @model_validator(mode="before")
     @classmethod

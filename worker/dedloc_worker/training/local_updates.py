@@ -178,8 +178,12 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
             what = "stepped alone (no other peer in the swarm) on" if outer_round.alone else "averaged"
             print(f"outer round {outer_round.epoch}: {what} this peer's {weight:,} samples", flush=True)
         elif averager.missed and self.leave.is_set():
-            averager.missed = False  # leaving: its parameters are not used again
-            print(f"outer round {outer_round.epoch}: it failed here", flush=True)
+            # leaving (an overlapped round ends in the grace): the parameters it leaves with (--state-out) are the
+            # swarm's, as a waiting peer's are, where a peer serves them before the grace ends
+            averager.missed = averager.off_lineage = False
+            print(f"outer round {outer_round.epoch}: it failed here; taking the newest outer state from the swarm "
+                  "before leaving", flush=True)
+            self._catch_up_before_leaving()
         elif averager.missed:
             why = ("its peers averaged from outer parameters other rounds made" if averager.off_lineage else
                    "its peers averaged from newer outer parameters" if averager.stale else
@@ -203,6 +207,18 @@ class LocalUpdatesOptimizer(AccountedOptimizer):
             self._catch_up_at = time.monotonic() + CATCH_UP_SPACING
         else:  # every peer missed it: they still share the outer parameters
             print("no newer outer state in the swarm: training on from this peer's", flush=True)
+
+    def _catch_up_before_leaving(self) -> None:
+        """``_catch_up`` within what is left of the leaving grace: the peers that averaged apply their round a
+        moment after it ends, so it looks again ``CATCH_UP_SPACING`` later while the grace lasts."""
+        loads = self.state_averager.loads
+        while True:
+            self.load_state_from_peers()
+            if self.state_averager.loads > loads or self._grace_left() < CATCH_UP_SPACING:
+                break
+            time.sleep(CATCH_UP_SPACING)
+        if self.state_averager.loads == loads:
+            print("no newer outer state in the swarm: leaving with this peer's", flush=True)
 
     def load_state_from_peers(self, **kwargs: Any) -> None:
         averager, loads, epoch = self.state_averager, self.state_averager.loads, self.local_epoch
