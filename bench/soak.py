@@ -1,8 +1,10 @@
 """Volunteers coming and going for a while: a seeded schedule of joins, Ctrl-C leaves, SIGKILLs, coordinator and
-portal restarts and a ban, on a real portal, coordinator and tiny-lm workers (loopback), then a checker that reads
-the history (docs/benchmarks.md#soak).
+portal restarts, 30-second link drops and a ban, on a real portal, coordinator and tiny-lm workers, each worker on a
+host of its own in network namespaces (``bench.netns``: mixed emulated links, every other one behind a NAT router),
+then a checker that reads the history (docs/benchmarks.md#soak).
 
     python -m bench.soak [--minutes 30] [--seed 1] [--algorithm large-batch|local-updates] [--workers 6]
+                         [--network emulated|loopback]
 
 The schedule (``schedule``) draws an event every ``EVENT_SECONDS`` on average from the seed, keeping at least
 ``MIN_RUNNING`` workers training; the run's founder starts first and the others join once it trains. A sampler
@@ -17,8 +19,9 @@ Viewers (``view``) read the dashboard and the public API all along, as the run's
 requests, answers of 500 or more, requests the portal did not answer while it was up, and the 95th percentile of the
 answered ones' latency.
 
-Not yet here: network namespaces with emulated links and NAT, 30-second link drops, a token that expires during a
-portal outage; the 5-minute variant in ``make test``.
+Without root (or iproute2 and nftables) the run says so and uses loopback, with no link drops (``--network``).
+
+Not yet here: a token that expires during a portal outage; the 5-minute variant in ``make test``.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import psutil
 from dedloc_common.contract import LOOPBACK_OPTIMIZER
 
 from app.core.processes import kill_group, spawn, stop_all
-from bench import write_results
+from bench import netns, write_results
 
 RESULTS = Path("bench/results")
 EVENT_SECONDS = 40.0  # mean time between two scheduled events
@@ -56,9 +59,17 @@ SAMPLE_SECONDS = 60.0  # the issue's: every minute (a run under 10 minutes sampl
 WARM_UP_SHARE = 0.25  # growth is fitted after this share of the run
 BAN_BOUND_SECONDS = 60.0  # docs/architecture.md: a ban reaches a running peer within 30 s; a round's claim after it
 SETTLE_SECONDS = 45.0  # the coordinator's time to settle the last claims after the workers left
-TARGET_BATCH, BATCH = 1024, 16
-# (event, weight): what the schedule draws from
-EVENTS = (("join", 4), ("leave", 2), ("kill", 2), ("restart-coordinator", 1), ("restart-portal", 1))
+BATCH = 16
+# Samples per step: about 2 s of the swarm's compute on loopback; on the emulated links 8 s, as the README advises a
+# run to take several seconds a step (a 4-minute trial at 2 s steps: 88% of the samples in rounds that did not form or
+# finish, the DSL uplinks and the NAT'd peers' first minutes)
+TARGET_BATCH = {"loopback": 1024, "emulated": 4096}
+# (event, weight): what the schedule draws from; link drops only where the workers have links of their own
+EVENTS = (("join", 4), ("leave", 2), ("kill", 2), ("restart-coordinator", 1), ("restart-portal", 1), ("link-drop", 2))
+LINK_DROP_SECONDS = 30.0
+# Volunteers' access links, Mbit/s down and up, given in turn: fibre, cable, DSL. The even-numbered workers are open
+# hosts, the odd-numbered ones sit behind a home router (NAT) and become client-mode peers by themselves.
+LINKS = (netns.Link(down=100, up=100), netns.Link(down=50, up=10), netns.Link(down=16, up=2))
 TRACEBACK = "Traceback (most recent call last)"
 UNCONFIRMED = "not confirmed"  # how app.credit.decision words a claim no other volunteer's peer saw
 VIEW_SECONDS = 1.0  # between two viewers' requests
@@ -87,6 +98,9 @@ class Soak:
     banned_at: Optional[float] = None
     views: list = field(default_factory=list)  # {"at", "path", "status" (None: no answer), "ms"}
     progress: list = field(default_factory=list)  # (unix time, the newest epoch any worker's terminal showed)
+    epochs_seen: dict = field(default_factory=dict)  # username -> [(unix time, epoch its terminal showed)]
+    internet: Optional[netns.Internet] = None  # the workers' hosts; None on loopback
+    links_down: dict = field(default_factory=dict)  # username -> threading.Timer that brings its link back
 
     def log(self, name: str) -> Path:
         return self.work / "logs" / f"{name}.log"
@@ -106,10 +120,27 @@ class Soak:
         credential = self.cli("issue-credential", user).stdout.strip()
         count = sum(1 for name, _ in self.done if name == user)  # a worker's later sessions log apart
         name = user if not count else f"{user}.{count}"
+        # on its own host where there is an emulated internet, listening on its addresses there
+        where = ["ip", "netns", "exec", self.internet.ns(user)] if self.internet else []
+        listen = "/ip4/0.0.0.0/tcp/0" if self.internet else "/ip4/127.0.0.1/tcp/0"
         self.running[user] = spawn(
-            [sys.executable, "-m", "dedloc_worker", "join", self.url, "--run", "soak", "--threads", "1",
-             "--listen", "/ip4/127.0.0.1/tcp/0", "--report", str(self.work / f"{name}.json")],
+            [*where, sys.executable, "-m", "dedloc_worker", "join", self.url, "--run", "soak", "--threads", "1",
+             "--listen", listen, "--report", str(self.work / f"{name}.json")],
             log=self.log(name), env={**self.env, "DEDLOC_WORKER_CREDENTIAL": credential})
+
+    def drop_link(self, user: str) -> None:
+        """Pull ``user``'s cable for ``LINK_DROP_SECONDS``; a timer plugs it back in (the schedule goes on)."""
+        assert self.internet is not None
+        self.internet.link(user, False)
+        self.note("link down", user)
+        timer = threading.Timer(LINK_DROP_SECONDS, self.restore_link, args=(user,))
+        self.links_down[user] = timer
+        timer.start()
+
+    def restore_link(self, user: str) -> None:
+        if self.links_down.pop(user, None) is not None and self.internet is not None:
+            self.internet.link(user, True)
+            self.note("link up", user)
 
     def stop_worker(self, user: str, sig: int) -> None:
         """Ctrl-C (SIGINT: the worker leaves within its grace), or SIGKILL to its whole process group at once (its
@@ -159,6 +190,10 @@ def apply(soak: Soak, event: str, rng: random.Random, users: list[str]) -> None:
         time.sleep(5)
         getattr(soak, f"start_{server}")()
         soak.note(f"{server} up")
+    elif event == "link-drop" and soak.internet is not None:
+        up = [u for u in live if u not in soak.links_down]
+        if up:
+            soak.drop_link(rng.choice(up))
     elif event == "ban" and live:
         user = rng.choice(live)
         result = soak.cli("ban", "soak", user, "--reason", "soak bench")
@@ -187,7 +222,7 @@ def watch(soak: Soak, stop: threading.Event) -> None:
     holds) is down."""
     offsets: dict[Path, int] = {}
     while not stop.wait(WATCH_SECONDS):
-        newest = None
+        newest, now = None, time.time()
         for log in sorted((soak.work / "logs").glob("volunteer*.log")):
             with log.open("rb") as handle:
                 handle.seek(offsets.get(log, 0))
@@ -195,8 +230,10 @@ def watch(soak: Soak, stop: threading.Event) -> None:
                 offsets[log] = handle.tell()
             for found in EPOCH_LINE.finditer(text):
                 newest = max(newest or 0, int(found.group(1)))
+                # a later session of a user logs as "user.N"
+                soak.epochs_seen.setdefault(log.stem.split(".")[0], []).append((now, int(found.group(1))))
         if newest is not None:
-            soak.progress.append((time.time(), newest))
+            soak.progress.append((now, newest))
 
 
 def sample(soak: Soak) -> None:
@@ -223,19 +260,21 @@ def sample(soak: Soak) -> None:
         soak.samples.append(dict(at=now, process=name, pid=proc.pid, rss=rss, fds=fds, threads=threads))
 
 
-def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[Path]) -> dict:
+def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[Path], emulated: bool) -> dict:
     seconds = minutes * 60
     work = Path(tempfile.mkdtemp(prefix="dedloc-soak-"))
     (work / "logs").mkdir()
     port = _free_port()
-    env = {"DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(port), "DATABASE_URL": ""}
-    soak = Soak(work=work, url=f"http://127.0.0.1:{port}", env=env, workers=workers)
     users = [f"volunteer{i}" for i in range(workers)]
+    # the portal and the coordinator on this machine's leg of the emulated internet, where the hosts reach them
+    host, network = (netns.SERVER, "emulated") if emulated else ("127.0.0.1", "loopback")
+    env = {"DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(port), "DATABASE_URL": "", "DEDLOC_HOST": host}
+    soak = Soak(work=work, url=f"http://{host}:{port}", env=env, workers=workers)
     optimizer = {**LOOPBACK_OPTIMIZER, "matchmaking_time": 1.0, "averaging_timeout": 10.0,
                  "metadata_expiration": 10.0, "next_chunk_timeout": 3.0, "algorithm": algorithm}
     if algorithm == "local-updates":
-        optimizer["outer_batch_size"] = 4 * TARGET_BATCH
-    created = soak.cli("create-run", "soak", "--task", "tiny-lm", "--target-batch-size", str(TARGET_BATCH),
+        optimizer["outer_batch_size"] = 4 * TARGET_BATCH[network]
+    created = soak.cli("create-run", "soak", "--task", "tiny-lm", "--target-batch-size", str(TARGET_BATCH[network]),
                        "--batch-size", str(BATCH), "--optimizer", json.dumps(optimizer),
                        "--checkpoints", json.dumps({"every_epochs": 10**6, "spot_check_rate": 0.0}))
     if created.returncode != 0:
@@ -249,6 +288,9 @@ def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[
     watcher = threading.Thread(target=watch, args=(soak, stop_sampling), daemon=True)
     began = time.time()
     try:
+        if emulated:
+            soak.internet = netns.Internet(open_hosts=users[0::2], home_hosts=users[1::2],
+                                           links={user: LINKS[i % len(LINKS)] for i, user in enumerate(users)})
         soak.start_portal()
         soak.start_coordinator()
         _wait(lambda: httpx.get(f"{soak.url}/api/v1/runs/soak/join").json()["initial_peers"], 90)
@@ -266,6 +308,9 @@ def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[
             time.sleep(max(0.0, began + at - time.time()))
             apply(soak, event, rng, users)
         time.sleep(max(0.0, began + seconds - time.time()))
+        for user, timer in list(soak.links_down.items()):  # every link back before the workers leave
+            timer.cancel()
+            soak.restore_link(user)
         for user in list(soak.running):
             soak.stop_worker(user, signal.SIGINT)
             soak.note("leave", user)
@@ -275,8 +320,12 @@ def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[
         return row
     finally:
         stop_sampling.set()
+        for timer in list(soak.links_down.values()):
+            timer.cancel()
         stop_all(list(soak.running.values()))
         stop_all([p for p in (soak.coordinator, soak.portal) if p is not None])
+        if soak.internet is not None:
+            soak.internet.close()
         if keep:
             shutil.copytree(work, keep, dirs_exist_ok=True)
         shutil.rmtree(work, ignore_errors=True)
@@ -317,6 +366,17 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
     banned_after = [c for c in claims if soak.banned and c.username == soak.banned and c.credited > 0
                     and _unix(c.recorded_at) > (soak.banned_at or 0) + BAN_BOUND_SECONDS]
 
+    # from a link's return to the first epoch its worker's terminal showed after it that was credited
+    credited: dict[str, set] = {}
+    for c in claims:
+        if c.credited > 0:
+            credited.setdefault(c.username, set()).add(c.epoch)
+    recoveries = []
+    for back in (e for e in soak.events if e["event"] == "link up"):
+        seen = [t for t, epoch in soak.epochs_seen.get(back["user"], [])
+                if t >= back["at"] and epoch in credited.get(back["user"], ())]
+        recoveries.append(round(seen[0] - back["at"], 1) if seen else None)
+
     stall, stall_at = longest_stall(soak.progress)
     snapshot_gap, _ = longest_stall([(_unix(taken_at), epoch) for taken_at, epoch in snapshots])
     stall_cause = _nearest_event(soak.events, stall_at) if stall_at is not None else None
@@ -331,8 +391,13 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
                                                            progress=soak.progress)))
     return dict(
         seed=seed, minutes=minutes, algorithm=algorithm, workers=soak.workers,
+        network=(f"emulated: {len(soak.internet.open_hosts)} open hosts, {len(soak.internet.home_hosts)} behind NAT, "
+                 "links " + ", ".join(f"{link.down:g}/{link.up:g}" for link in LINKS) + " Mbit/s"
+                 if soak.internet else "loopback"),
         events={kind: sum(1 for e in soak.events if e["event"] == kind) for kind in
-                ("join", "leave", "kill", "coordinator down", "portal down", "ban")},
+                ("join", "leave", "kill", "coordinator down", "portal down", "ban", "link down")},
+        # None: the worker left or was killed before an epoch of its was credited again
+        link_recovery_seconds=recoveries,
         epochs=max((epoch for _, epoch in snapshots), default=0),
         honest_claims=len(honest), uncredited_epochs=len(withheld), unconfirmed_epochs=len(unconfirmed),
         uncredited_reasons=reasons,
@@ -445,10 +510,13 @@ def markdown(rows: list) -> str:
              "between two new epochs in the workers' terminal lines, and the event nearest its start (rows before "
              "2026-12-07 13:00: in the coordinator's snapshots, which stop while it is down; later rows give that as "
              "\"snapshots\").",
-             "", "| seed | minutes | algorithm | events | epochs | uncredited epochs (share of samples) | unconfirmed "
+             "Network: where a row names none, loopback. Link back: seconds from each link drop's end to the first "
+             "epoch its worker showed after it that was credited (-: it left or was killed first).",
+             "", "| seed | minutes | algorithm | network | events | link back s | epochs | uncredited epochs (share of "
+             "samples) | unconfirmed "
              "epochs (share) | double credited | banned past bound | tracebacks | longest stall s | RSS growth per "
              "hour (after warm-up) | viewers: requests, 5xx, unanswered, p95 ms |",
-             "| ---: | ---: | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
+             "| ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         events = ", ".join(f"{v} {k}" for k, v in r["events"].items() if v)
         growth = ", ".join(f"{k} {v:+.1%}" for k, v in r["rss_growth_per_hour"].items() if v is not None)
@@ -457,7 +525,9 @@ def markdown(rows: list) -> str:
         gap = (f"; snapshots {r['longest_snapshot_gap_seconds']}" if "longest_snapshot_gap_seconds" in r else "")
         viewers = (f"{r['viewer_requests']}, {r['viewer_errors']}, {r['viewer_unanswered']}, {r['viewer_p95_ms']}"
                    if "viewer_requests" in r else "-")
-        lines.append(f"| {r['seed']} | {r['minutes']:g} | {r['algorithm']} | {events} | {r['epochs']} | "
+        back = ", ".join("-" if s is None else f"{s:g}" for s in r.get("link_recovery_seconds", [])) or "-"
+        lines.append(f"| {r['seed']} | {r['minutes']:g} | {r['algorithm']} | {r.get('network', 'loopback')} | "
+                     f"{events} | {back} | {r['epochs']} | "
                      f"{r['uncredited_epochs']} of {r['honest_claims']} ({r['uncredited_samples_share']:.1%}) | "
                      f"{unconfirmed} | "
                      f"{r['double_credited_epochs']} | {r['banned_credit_past_bound']} | {r['tracebacks']} | "
@@ -473,11 +543,20 @@ def main(argv=None) -> int:
     parser.add_argument("--workers", type=int, default=6)
     parser.add_argument("--out", type=Path, default=RESULTS / "soak.json")
     parser.add_argument("--keep", type=Path, help="copy the run's folder (logs, database) here")
+    parser.add_argument("--network", choices=("emulated", "loopback"),
+                        help="workers on hosts of their own in network namespaces (the default where this machine "
+                        "can build them), or all on loopback")
     args = parser.parse_args(argv)
     if args.workers < MIN_RUNNING + 1:
         parser.error(f"--workers must be at least {MIN_RUNNING + 1}")
+    why_not = netns.unavailable()
+    if args.network == "emulated" and why_not:
+        parser.error(f"--network emulated: {why_not}")
+    if args.network is None and why_not:
+        print(f"workers on loopback: {why_not}", flush=True)
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    row = run(args.minutes, args.seed, args.algorithm, args.workers, args.keep)
+    row = run(args.minutes, args.seed, args.algorithm, args.workers, args.keep,
+              emulated=args.network == "emulated" or (args.network is None and not why_not))
     print(json.dumps(row), flush=True)
     rows = json.loads(args.out.read_text()) if args.out.exists() else []
     rows.append(row)

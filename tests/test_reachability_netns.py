@@ -1,4 +1,4 @@
-"""Volunteers behind a router, in network namespaces (tests/support/netns.py): with no flags, a worker on an open
+"""Volunteers behind a router, in network namespaces (bench/netns.py): with no flags, a worker on an open
 host is found reachable and stays a full peer; one behind a masquerading home router is found unreachable,
 switches to client mode by itself, trains and is credited; when that one's link goes down for 30 s and comes back,
 it rejoins without a restart and is credited again. Portal and coordinator run on this machine's leg of the
@@ -17,7 +17,7 @@ from sqlalchemy import select
 from app.core.database import make_engine, make_sessionmaker
 from app.core.processes import spawn
 from app.models import Contribution, Peer
-from tests.support import netns
+from bench import netns
 from tests.support.harness import Deployment, local_epoch, wait_for
 
 pytestmark = [pytest.mark.swarm, pytest.mark.skipif(netns.unavailable() is not None,
