@@ -110,7 +110,8 @@ CASES = [
     # DiLoCo's outer momentum of 0.9 is tuned for hundreds of rounds; a run of a few rounds, as here, with 0.5
     Case("local-updates momentum 0.5", "local-updates", "fp16", epochs=4, skip=1, outer_momentum=0.5),
     # the quality gap at DiLoCo's defaults over more rounds: does it close as the momentum settles?
-    Case("local-updates 20 rounds", "local-updates", "fp16", epochs=21, skip=1, outer_steps=32),
+    Case("local-updates 20 rounds", "local-updates", "fp16", epochs=21, skip=1),
+    Case("local-updates 32 steps, 20 rounds", "local-updates", "fp16", epochs=21, skip=1, outer_steps=32),
 ]
 QUICK_CASES = [
     Case("large-batch", "large-batch", "fp16", epochs=10, skip=4),
