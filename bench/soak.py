@@ -21,7 +21,11 @@ answered ones' latency.
 
 Without root (or iproute2 and nftables) the run says so and uses loopback, with no link drops (``--network``).
 
-Not yet here: a token that expires during a portal outage; the 5-minute variant in ``make test``.
+Peer tokens live ``TOKEN_LIFETIME`` seconds here, and a run of ten minutes or more has one long portal outage
+(``LONG_OUTAGE_SECONDS``) in which the tokens of the workers that renewed longest ago expire: they hold their
+training and train again once the portal is back (docs/architecture.md#outages).
+
+Not yet here: the 5-minute variant in ``make test``.
 """
 
 from __future__ import annotations
@@ -67,6 +71,10 @@ TARGET_BATCH = {"loopback": 1024, "emulated": 4096}
 # (event, weight): what the schedule draws from; link drops only where the workers have links of their own
 EVENTS = (("join", 4), ("leave", 2), ("kill", 2), ("restart-coordinator", 1), ("restart-portal", 1), ("link-drop", 2))
 LINK_DROP_SECONDS = 30.0
+# Tokens are renewed at half-life, so at an outage's start each is 0-60 s old and expires 60-120 s later: a 90 s
+# outage outlives about half of them
+TOKEN_LIFETIME, LONG_OUTAGE_SECONDS = 120.0, 90.0
+EXPIRED_LINE = "token expired and the portal cannot renew it"  # dedloc_worker.admission.keeper's line
 # Volunteers' access links, Mbit/s down and up, given in turn: fibre, cable, DSL. The even-numbered workers are open
 # hosts, the odd-numbered ones sit behind a home router (NAT) and become client-mode peers by themselves.
 LINKS = (netns.Link(down=100, up=100), netns.Link(down=50, up=10), netns.Link(down=16, up=2))
@@ -169,6 +177,9 @@ def schedule(seed: int, seconds: float) -> list[tuple[float, str]]:
             break
         events.append((at, rng.choices(kinds, weights)[0]))
     events.append((seconds / 2, "ban"))
+    outage_at = min(2 * seconds / 3, seconds - 180 - LONG_OUTAGE_SECONDS)  # over two minutes before the end
+    if outage_at >= seconds / 2 + 30:
+        events.append((outage_at, "portal-outage"))
     return sorted(events)
 
 
@@ -190,6 +201,13 @@ def apply(soak: Soak, event: str, rng: random.Random, users: list[str]) -> None:
         time.sleep(5)
         getattr(soak, f"start_{server}")()
         soak.note(f"{server} up")
+    elif event == "portal-outage":  # past some workers' tokens' expiry
+        stop_all([soak.portal], grace=10)
+        soak.note("portal down", "long")
+        time.sleep(LONG_OUTAGE_SECONDS)
+        soak.start_portal()
+        soak.note("portal up", "long")
+        time.sleep(15)  # the holders' next try (10 s) before any overdue event can make one leave
     elif event == "link-drop" and soak.internet is not None:
         up = [u for u in live if u not in soak.links_down]
         if up:
@@ -268,7 +286,8 @@ def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[
     users = [f"volunteer{i}" for i in range(workers)]
     # the portal and the coordinator on this machine's leg of the emulated internet, where the hosts reach them
     host, network = (netns.SERVER, "emulated") if emulated else ("127.0.0.1", "loopback")
-    env = {"DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(port), "DATABASE_URL": "", "DEDLOC_HOST": host}
+    env = {"DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(port), "DATABASE_URL": "", "DEDLOC_HOST": host,
+           "DEDLOC_PEER_TOKEN_LIFETIME": str(TOKEN_LIFETIME)}
     soak = Soak(work=work, url=f"http://{host}:{port}", env=env, workers=workers)
     optimizer = {**LOOPBACK_OPTIMIZER, "matchmaking_time": 1.0, "averaging_timeout": 10.0,
                  "metadata_expiration": 10.0, "next_chunk_timeout": 3.0, "algorithm": algorithm}
@@ -382,7 +401,12 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
     stall_cause = _nearest_event(soak.events, stall_at) if stall_at is not None else None
 
     logs = sorted((soak.work / "logs").glob("*.log"))
-    tracebacks = {log.stem: log.read_text(errors="replace").count(TRACEBACK) for log in logs}
+    texts = {log.stem: log.read_text(errors="replace") for log in logs}
+    tracebacks = {name: text.count(TRACEBACK) for name, text in texts.items()}
+    # workers whose token expired in a portal outage, and those of them that never trained again (nor left)
+    expired = {name: text for name, text in texts.items() if EXPIRED_LINE in text}
+    never_resumed = sorted(name for name, text in expired.items()
+                           if "training resumes" not in text[text.rindex(EXPIRED_LINE):])
     growth = rss_growth(soak.samples, began, minutes * 60)
     answered = sorted(v["ms"] for v in soak.views if v["status"] is not None)
     restarts = restart_windows(soak.events, soak.views)
@@ -398,6 +422,7 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
                 ("join", "leave", "kill", "coordinator down", "portal down", "ban", "link down")},
         # None: the worker left or was killed before an epoch of its was credited again
         link_recovery_seconds=recoveries,
+        tokens_expired=len(expired), expired_never_resumed=never_resumed,
         epochs=max((epoch for _, epoch in snapshots), default=0),
         honest_claims=len(honest), uncredited_epochs=len(withheld), unconfirmed_epochs=len(unconfirmed),
         uncredited_reasons=reasons,
@@ -519,6 +544,9 @@ def markdown(rows: list) -> str:
              "| ---: | ---: | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | --- | --- |"]
     for r in rows:
         events = ", ".join(f"{v} {k}" for k, v in r["events"].items() if v)
+        if r.get("tokens_expired"):
+            events += (f"; {r['tokens_expired']} tokens expired, "
+                       f"{len(r['expired_never_resumed'])} of them never trained again")
         growth = ", ".join(f"{k} {v:+.1%}" for k, v in r["rss_growth_per_hour"].items() if v is not None)
         unconfirmed = (f"{r['unconfirmed_epochs']} ({r['unconfirmed_samples_share']:.1%})"
                        if "unconfirmed_epochs" in r else "-")

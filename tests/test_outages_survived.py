@@ -1,7 +1,8 @@
 """A run's outages, survived, on one deployment (portal, coordinator and two workers as processes on loopback),
 checked in order: a worker waits for a coordinator with backoff; tokens are renewed at half-life; the coordinator
 down: the status page says so (in a real browser, without a reload), and a ban placed meanwhile still cuts the
-banned peer off; the portal down past half-life: the worker trains on, warns, and renews when the portal is back."""
+banned peer off; the portal down past half-life: the worker trains on, warns, and renews when the portal is back;
+the portal down past the token's expiry: the worker holds its training, stays, and trains again once it is back."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from sqlalchemy import func, select
 from app.core.database import make_engine, make_sessionmaker
 from app.models import IssuedPeerToken, Snapshot
 from tests.support.browsers import launch_chromium, needs_chromium
-from tests.support.harness import Deployment, wait_for
+from tests.support.harness import Deployment, local_epoch, wait_for
 
 pytestmark = pytest.mark.swarm
 LIFETIME = 30  # seconds a peer token lives: renewed at half-life, 15 s
@@ -154,5 +155,28 @@ def test_the_portal_down_past_half_life_warns_and_training_goes_on_until_it_retu
     assert tokens_issued(deployment, "alice") > renewed
     epoch_back = swarm_epoch(deployment)
     wait_for(lambda: swarm_epoch(deployment) > epoch_back, 90, "training to go on after the outage")
+    assert deployment.processes["alice"].poll() is None
+    assert "Traceback" not in log(deployment, "alice")
+
+
+def test_the_portal_down_past_expiry_holds_training_and_the_worker_trains_again_once_it_returns(deployment):
+    issued = tokens_issued(deployment, "alice")
+    wait_for(lambda: tokens_issued(deployment, "alice") > issued, 2 * LIFETIME, "alice to renew her token")
+    deployment.stop("portal-back")
+    wait_for(lambda: "token expired and the portal cannot renew it" in log(deployment, "alice"), LIFETIME + 15,
+             "alice's token to expire while the portal is down")
+    # Peers refuse an expired token: she trains nothing (no epoch line for longer than an epoch takes her alone),
+    # and her worker stays.
+    held_at = local_epoch(log(deployment, "alice"))
+    time.sleep(15)
+    assert local_epoch(log(deployment, "alice")) == held_at and deployment.processes["alice"].poll() is None
+    held = next(line for line in log(deployment, "alice").splitlines() if "token expired" in line)
+    assert held.endswith("training holds; asking the portal every 10 s, and training resumes once it answers"), held
+
+    deployment.start("portal-again", "-m", "app.cli", "serve")
+    wait_for(lambda: "training resumes" in log(deployment, "alice"), 60, "alice to train again")
+    text = log(deployment, "alice")
+    assert text.index("the portal is back: peer token renewed") < text.rindex("training resumes")
+    wait_for(lambda: local_epoch(log(deployment, "alice")) > held_at, 60, "an epoch after the portal's return")
     assert deployment.processes["alice"].poll() is None
     assert "Traceback" not in log(deployment, "alice")

@@ -154,7 +154,7 @@ def _join(args, stop, folder: Path, placement):
             result = train(dht, config, task, username, stop, signature, args.max_epochs, client_mode,
                            display.update, receipts, follower, args.aux, hardware=placement.description,
                            watch=watch, resume=resume, reachability=reachability, admitted_at=admitted_at,
-                           outbox=outbox)
+                           outbox=outbox, expired=keeper.expired)
         if keeper.failure:
             raise AdmissionError(keeper.failure)
         result.username, result.peer_id = username, identity.peer_id

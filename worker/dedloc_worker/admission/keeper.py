@@ -34,6 +34,9 @@ class AdmissionKeeper(threading.Thread):
     :param refresh: returns a new ``PeerToken`` (asks the portal, or signs locally on the coordinator); raises
         with a reason in words when the run refuses
     :param stop: set when the run refuses this peer (``failure`` says why), so training ends
+
+    ``expired`` is set while this peer's token has expired and the portal could not renew it: peers refuse the
+    token, so the training loop trains nothing until a new one clears it.
     :param portal_denylist: returns the run's signed denylist as the portal has it (``contract.SignedDenylist``
         fields), raising ``WorkerError`` when the portal cannot be reached
     :param interval: seconds between two rounds. The DHT's tokens are read every ``READ_EVERY`` rounds, and in
@@ -51,6 +54,7 @@ class AdmissionKeeper(threading.Thread):
         self.refresh, self.stop, self.interval = refresh, stop, interval
         self.failure: Optional[str] = None
         self.halted = threading.Event()
+        self.expired = threading.Event()
         self.ready = threading.Event()  # set once this peer's token is published and the admitted set written
         # Every RECALL_EVERY rounds, call the run's coordinators: one that restarted is in nobody's routing table.
         # In between, every round while this peer's DHT knows no peer (its network was down), call them again.
@@ -103,7 +107,9 @@ class AdmissionKeeper(threading.Thread):
 
     def _refresh_if_needed(self) -> None:
         """Ask for a new token at half-life; while the portal cannot be reached, train on and ask again later
-        (``admission.renewal.TokenRenewal``): only an expired token, or the run's refusal, stops this peer."""
+        (``admission.renewal.TokenRenewal``). The run's refusal stops this peer; an expired token holds its training
+        (``expired``) until the portal answers."""
+        from dedloc_worker.admission.renewal import EXPIRED_RETRY_SECONDS
         from dedloc_worker.errors import AdmissionError
 
         now = time.time()
@@ -114,12 +120,16 @@ class AdmissionKeeper(threading.Thread):
         except (Refused, AdmissionError) as e:  # the run said no: a ban, a revoked sign-in
             raise Refused(str(e)) from e
         except Exception as e:  # the portal unreachable or failing
-            if not self.renewal.failed(e, now):
-                raise Refused(f"this peer's token expired and no new one could be had ({e})") from e
+            if not self.renewal.failed(e, now) and not self.expired.is_set():
+                self.expired.set()
+                self.say(f"this peer's token expired and the portal cannot renew it ({e}): peers refuse an expired "
+                         f"token, so training holds; asking the portal every {EXPIRED_RETRY_SECONDS:.0f} s, and "
+                         "training resumes once it answers")
             return
         self.token = token
         self.renewal.renewed(time.time(), parse_expiration(token.expiration_time))
         self.state.write_token(self.token)
+        self.expired.clear()
 
     def _portal_due(self) -> bool:
         """Time to ask the portal for its denylist (every ``PORTAL_INTERVAL`` s): bans placed while no coordinator is

@@ -2,13 +2,16 @@
 
 A token is renewed at half-life. While the portal is unreachable the peer trains on with the token it holds and
 asks again after 2, 4, 8... seconds (at most ``max_delay``, and at most half the time left, so tries come closer
-together as expiry nears), one line per failed try with the time left; only at expiry does it stop. A portal that
-answers "no" (a ban, a revoked sign-in) ends it at once.
+together as expiry nears), one line per failed try with the time left. Past expiry peers refuse the token, so the
+peer trains nothing (``admission.keeper``) and asks every ``EXPIRED_RETRY_SECONDS`` until the portal answers; it
+trains again with the new token. A portal that answers "no" (a ban, a revoked sign-in) ends it at once.
 """
 
 from __future__ import annotations
 
 from typing import Callable, Optional
+
+EXPIRED_RETRY_SECONDS = 10.0  # between two tries once the token has expired: the portal back, training resumes soon
 
 
 class TokenRenewal:
@@ -39,10 +42,13 @@ class TokenRenewal:
         return now >= self.next_try
 
     def failed(self, error: Exception, now: float) -> bool:
-        """A renewal failed at ``now``; False once the token has expired (the peer must stop), else the next try
-        is scheduled and the user told, in one line, how long the token still holds."""
+        """A renewal failed at ``now``; False once the token has expired (the peer must not train; the next try
+        comes ``EXPIRED_RETRY_SECONDS`` later), else the next try is scheduled and the user told, in one line, how
+        long the token still holds."""
         left = self.expires - now
         if left <= 0:
+            self.failures += 1
+            self.next_try = now + EXPIRED_RETRY_SECONDS
             return False
         self.failures += 1
         # Half the time left at most: tries come closer together as expiry nears, so a portal back late still helps.

@@ -94,6 +94,7 @@ def train(
     reachability: str = "",
     admitted_at: float = 0.0,
     outbox=None,
+    expired: Optional[threading.Event] = None,
 ) -> TrainingResult:
     """Train until ``stop`` is set or the collaboration reaches ``max_epochs``; always leaves the swarm.
 
@@ -108,6 +109,8 @@ def train(
       loop's recent claims alone)
     :param reachability: how this peer's mode was decided (``contract.REACHABILITY``), for its metrics record
     :param admitted_at: ``time.monotonic()`` from which peers know this peer's token: no call to them before it
+    :param expired: set while this peer's token has expired and cannot be renewed (``admission.keeper``): peers
+      refuse it, so it trains nothing meanwhile
     :returns: this peer's contributions (samples per epoch it took part in) and its final parameters
     """
     addrs = [] if client_mode else [str(addr) for addr in dht.get_visible_maddrs()]
@@ -148,14 +151,15 @@ def train(
             if watch is not None and watch.state == "finished":
                 run_over = True
                 break
-            if watch is not None and watch.state != "active":
-                if not paused:
+            held = expired is not None and expired.is_set()  # the keeper said why in a line
+            if held or watch is not None and watch.state != "active":
+                if not paused and not held:
                     print("the run is paused by its organizers: training nothing, still in the swarm; "
                           "training resumes when they resume it", flush=True)
-                    paused = True
+                paused = True
                 # Paused: keep the swarm connection, train nothing; the round of the last epoch may still end
                 # and its claim be published (below), so the pause holds no credit back.
-                stop.wait(watch.interval)
+                stop.wait(watch.interval if watch is not None else 1.0)
             else:
                 paused = resumed(paused)
                 if aux:
@@ -210,9 +214,9 @@ def train(
 
 
 def resumed(paused: bool) -> bool:
-    """Training (again): says so once after a pause; the new paused flag."""
+    """Training (again): says so once after a pause (the organizers', or an expired token's); the new paused flag."""
     if paused:
-        print("the run is resumed: training", flush=True)
+        print("training resumes", flush=True)
     return False
 
 
