@@ -101,3 +101,32 @@ def test_a_worker_asks_the_portal_which_dials_it_back(start_portal, libp2p_peer)
     assert httpx.post(url, json={"addrs": [addr]}).status_code == 401  # signed-in callers only
     too_many = httpx.post(url, json={"addrs": [addr] * 17}, headers={"Authorization": f"Bearer {credential}"})
     assert too_many.status_code == 422
+
+
+def test_while_the_portal_cannot_be_reached_the_worker_asks_again_and_takes_its_verdict(start_portal, libp2p_peer):
+    from dedloc_worker.portal.client import check_reachability
+
+    from tests.support.oidc_provider import LoopbackServer
+
+    portal = start_portal()
+    with portal.db() as session:
+        registry.create_run(session, slug="demo", title="Demo")
+        credential = issue_credential(session, user_id=sign_in_locally(session, username="alice").id)
+        session.commit()
+    # the portal restarting: its port bound, nothing accepted (refused) for the first 2.5 s
+    late = LoopbackServer(portal.app)
+    threading.Timer(2.5, late.__enter__).start()
+    said: list[str] = []
+    try:
+        report = check_reachability(late.url, "demo", credential, [libp2p_peer[1]], retries=(1.0,) * 6,
+                                    say=said.append)
+    finally:
+        late.__exit__(None, None, None)
+    assert report is not None and report.reachable
+    assert 2 <= len(said) <= 4 and all("cannot dial this machine back now (ConnectError" in line and
+                                       line.endswith("asking again in 1 s") for line in said), said
+    # a portal that stays away: the worker gives up after its tries and says nothing it does not know
+    said.clear()
+    gone = f"http://127.0.0.1:{free_port()}"
+    assert check_reachability(gone, "demo", credential, [libp2p_peer[1]], retries=(0.1, 0.1), say=said.append) is None
+    assert len(said) == 2

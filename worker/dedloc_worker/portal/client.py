@@ -141,17 +141,36 @@ def measure_link(portal_url: str, slug: str, credential: str, size: int = 4 * 10
     return upload, download
 
 
+# Seconds between the dial-back requests while the portal cannot be reached (a restart): a verdict taken then would
+# leave a peer behind NAT a full peer that nobody can reach (the soak bench saw two such in four portal restarts)
+REACHABILITY_RETRIES = (2.0, 4.0, 8.0, 16.0)
+
+
 def check_reachability(portal_url: str, slug: str, credential: str, addrs: list[str],
-                       transport: httpx.BaseTransport | None = None) -> ReachabilityReport | None:
-    """The portal's dial-back of ``addrs`` (can peers connect to this machine?); None when it cannot tell."""
+                       transport: httpx.BaseTransport | None = None,
+                       retries: tuple[float, ...] = REACHABILITY_RETRIES,
+                       say=lambda line: print(line, flush=True)) -> ReachabilityReport | None:
+    """The portal's dial-back of ``addrs`` (can peers connect to this machine?); None when it cannot tell. While the
+    portal cannot be reached, or answers 5xx, asks again after each of ``retries`` seconds, one line each."""
     url = f"{portal_url.rstrip('/')}{API_PREFIX}/runs/{slug}/reachability"
-    try:
-        with httpx.Client(transport=transport, verify=tls(), timeout=30) as client:
-            response = client.post(url, json={"addrs": addrs[:16]}, headers={"Authorization": f"Bearer {credential}"})
-        response.raise_for_status()
-        return ReachabilityReport.model_validate_json(response.content)
-    except (httpx.HTTPError, pydantic.ValidationError):
-        return None
+    for wait in (*retries, None):
+        try:
+            with httpx.Client(transport=transport, verify=tls(), timeout=30) as client:
+                response = client.post(url, json={"addrs": addrs[:16]},
+                                       headers={"Authorization": f"Bearer {credential}"})
+            if response.status_code < 500:
+                response.raise_for_status()
+                return ReachabilityReport.model_validate_json(response.content)
+            why = f"it answered {response.status_code}"
+        except httpx.TransportError as e:
+            why = f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
+        except (httpx.HTTPError, pydantic.ValidationError):
+            return None
+        if wait is None:
+            return None
+        say(f"reachability: the portal cannot dial this machine back now ({why}); asking again in {wait:.0f} s")
+        time.sleep(wait)
+    return None
 
 
 class RunWatch(threading.Thread):
