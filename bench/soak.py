@@ -106,7 +106,8 @@ class Soak:
     banned_at: Optional[float] = None
     views: list = field(default_factory=list)  # {"at", "path", "status" (None: no answer), "ms"}
     progress: list = field(default_factory=list)  # (unix time, the newest epoch any worker's terminal showed)
-    epochs_seen: dict = field(default_factory=dict)  # username -> [(unix time, epoch its terminal showed)]
+    epochs_seen: dict = field(default_factory=dict)  # session -> [(unix time, epoch its terminal showed)]
+    sessions: dict = field(default_factory=dict)  # username -> its running session's log name ("user" or "user.N")
     internet: Optional[netns.Internet] = None  # the workers' hosts; None on loopback
     links_down: dict = field(default_factory=dict)  # username -> threading.Timer that brings its link back
 
@@ -128,6 +129,7 @@ class Soak:
         credential = self.cli("issue-credential", user).stdout.strip()
         count = sum(1 for name, _ in self.done if name == user)  # a worker's later sessions log apart
         name = user if not count else f"{user}.{count}"
+        self.sessions[user] = name
         # on its own host where there is an emulated internet, listening on its addresses there
         where = ["ip", "netns", "exec", self.internet.ns(user)] if self.internet else []
         listen = "/ip4/0.0.0.0/tcp/0" if self.internet else "/ip4/127.0.0.1/tcp/0"
@@ -149,6 +151,7 @@ class Soak:
         if self.links_down.pop(user, None) is not None and self.internet is not None:
             self.internet.link(user, True)
             self.note("link up", user)
+            self.events[-1]["session"] = self.sessions.get(user, user)
 
     def stop_worker(self, user: str, sig: int) -> None:
         """Ctrl-C (SIGINT: the worker leaves within its grace), or SIGKILL to its whole process group at once (its
@@ -248,8 +251,7 @@ def watch(soak: Soak, stop: threading.Event) -> None:
                 offsets[log] = handle.tell()
             for found in EPOCH_LINE.finditer(text):
                 newest = max(newest or 0, int(found.group(1)))
-                # a later session of a user logs as "user.N"
-                soak.epochs_seen.setdefault(log.stem.split(".")[0], []).append((now, int(found.group(1))))
+                soak.epochs_seen.setdefault(log.stem, []).append((now, int(found.group(1))))
         if newest is not None:
             soak.progress.append((now, newest))
 
@@ -392,7 +394,7 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
             credited.setdefault(c.username, set()).add(c.epoch)
     recoveries = []
     for back in (e for e in soak.events if e["event"] == "link up"):
-        seen = [t for t, epoch in soak.epochs_seen.get(back["user"], [])
+        seen = [t for t, epoch in soak.epochs_seen.get(back.get("session", back["user"]), [])
                 if t >= back["at"] and epoch in credited.get(back["user"], ())]
         recoveries.append(round(seen[0] - back["at"], 1) if seen else None)
 
@@ -412,7 +414,7 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
     restarts = restart_windows(soak.events, soak.views)
     # the raw series, for a second look at a kept run (--keep copies the folder)
     (soak.work / "series.json").write_text(json.dumps(dict(events=soak.events, samples=soak.samples, views=soak.views,
-                                                           progress=soak.progress)))
+                                                           progress=soak.progress, epochs_seen=soak.epochs_seen)))
     return dict(
         seed=seed, minutes=minutes, algorithm=algorithm, workers=soak.workers,
         network=(f"emulated: {len(soak.internet.open_hosts)} open hosts, {len(soak.internet.home_hosts)} behind NAT, "
