@@ -163,24 +163,43 @@ def test_admission_policy_bans_and_limits(run, tmp_path):
         tokens.issue_peer_token(session, settings, the_run, "bob", same_key)
 
 
-def test_an_expired_token_with_the_portal_unreachable_stops_the_worker_with_words(tmp_path):
+def test_an_expired_token_with_the_portal_unreachable_holds_training_in_one_line_until_a_new_one_comes(tmp_path):
     import threading
 
-    from dedloc_worker.admission.gate import Refused
+    from dedloc_common.contract import PeerToken
     from dedloc_worker.admission.keeper import AdmissionKeeper
+    from dedloc_worker.admission.renewal import EXPIRED_RETRY_SECONDS
     from dedloc_worker.errors import PortalError
 
     authority, peer = new_private_key(), RSAPrivateKey()
     state = AdmissionState(tmp_path)
     state.write_token(peer_token(authority, "alice", peer, lifetime=-1))
+    portal: dict = {"up": False}
 
-    def portal_down():
-        raise PortalError("cannot reach the portal at http://portal.invalid")
+    def refresh():
+        if not portal["up"]:
+            raise PortalError("cannot reach the portal at http://portal.invalid")
+        fresh = peer_token(authority, "alice", peer, lifetime=600)
+        return PeerToken(username=fresh.username, public_key=fresh.public_key.decode(),
+                         expiration_time=fresh.expiration_time, signature=fresh.signature.decode())
 
+    said: list[str] = []
+    stop = threading.Event()
     keeper = AdmissionKeeper(None, "run", state, TokenCheck(public_openssh(authority).decode()), None,
-                             portal_down, threading.Event())
-    with pytest.raises(Refused, match="token expired and no new one could be had .*cannot reach the portal"):
-        keeper._refresh_if_needed()
+                             refresh, stop, say=said.append)
+    keeper._refresh_if_needed()
+    keeper.renewal.next_try = 0.0  # the next try is due (EXPIRED_RETRY_SECONDS later, in a running keeper)
+    keeper._refresh_if_needed()
+    # held, said once, not stopped: peers refuse the expired token, the worker waits for the portal
+    assert keeper.expired.is_set() and not stop.is_set() and keeper.failure is None
+    assert said == ["this peer's token expired and the portal cannot renew it (cannot reach the portal at "
+                    "http://portal.invalid): peers refuse an expired token, so training holds; asking the portal "
+                    f"every {EXPIRED_RETRY_SECONDS:.0f} s, and training resumes once it answers"]
+    portal["up"] = True
+    keeper.renewal.next_try = 0.0
+    keeper._refresh_if_needed()
+    assert not keeper.expired.is_set() and said[-1].startswith("the portal is back: peer token renewed (valid ")
+    assert state.read_token().expiration_time == keeper.token.expiration_time
 
 
 def test_organizations_come_from_the_orgs_claim():
