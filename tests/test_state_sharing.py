@@ -170,7 +170,10 @@ def state_averager(cls, dht, prefix: str, value: float, sharing: bool):
         for param in model.parameters():
             param.fill_(value)
     return cls(dht=dht, prefix=prefix, params=model.parameters(), optimizer=lambda ps: torch.optim.Adam(ps, lr=LR),
-               allow_state_sharing=sharing, start=True, request_timeout=0.5, min_matchmaking_time=1.0)
+               allow_state_sharing=sharing, start=True, request_timeout=0.5, min_matchmaking_time=1.0,
+               # a download's wait between chunks (else request_timeout's 0.5 s, which cut the control's stream once
+               # on a loaded machine: "incomplete (2 of 16 tensors)")
+               next_chunk_timeout=5.0)
 
 
 REFUSALS = {CutShort: "it was incomplete",
