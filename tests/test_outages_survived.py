@@ -172,9 +172,10 @@ def test_the_portal_down_past_expiry_holds_training_and_the_worker_trains_again_
     assert held.endswith("training holds; asking the portal every 10 s, and training resumes once it answers"), held
 
     deployment.start("portal-again", "-m", "app.cli", "serve")
-    wait_for(lambda: "training resumes" in log(deployment, "alice"), 60, "alice to train again")
+    resumed = re.compile(r"^training resumes$", re.MULTILINE)  # its own line (the held line names it too)
+    wait_for(lambda: resumed.search(log(deployment, "alice")), 60, "alice to train again")
     text = log(deployment, "alice")
-    assert text.index("the portal is back: peer token renewed") < text.rindex("training resumes")
+    assert 0 <= text.find("the portal is back: peer token renewed") < resumed.search(text).start(), text
     wait_for(lambda: local_epoch(log(deployment, "alice")) > held_at, 60, "an epoch after the portal's return")
     assert deployment.processes["alice"].poll() is None
     assert "Traceback" not in log(deployment, "alice")
