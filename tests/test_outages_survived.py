@@ -1,8 +1,8 @@
 """A run's outages, survived, on one deployment (portal, coordinator and two workers as processes on loopback),
 checked in order: a worker waits for a coordinator with backoff; tokens are renewed at half-life; the coordinator
 down: the status page says so (in a real browser, without a reload), and a ban placed meanwhile still cuts the
-banned peer off; the portal down past half-life: the worker trains on, warns, and renews when the portal is back;
-the portal down past the token's expiry: the worker holds its training, stays, and trains again once it is back."""
+banned peer off; the portal down past half-life: the worker trains on and warns; then past the token's expiry: it
+holds its training and stays; the portal back: it renews and trains again."""
 
 from __future__ import annotations
 
@@ -130,7 +130,7 @@ def test_with_the_coordinator_down_the_status_page_says_so_and_a_ban_still_cuts_
     assert deployment.processes["alice"].poll() is None
 
 
-def test_the_portal_down_past_half_life_warns_and_training_goes_on_until_it_returns(deployment):
+def test_the_portal_down_past_half_life_warns_and_trains_on_past_expiry_holds_and_trains_again_once_back(deployment):
     # Steady state first: the restarted coordinator has seen alice train, and she holds a fresh token, so the outage
     # below has a whole lifetime to show an epoch taken while the portal is down.
     epoch_back = swarm_epoch(deployment)
@@ -142,40 +142,31 @@ def test_the_portal_down_past_half_life_warns_and_training_goes_on_until_it_retu
     expires = query(deployment, select(func.max(IssuedPeerToken.expires_at)).where(
         IssuedPeerToken.username == "alice")).replace(tzinfo=timezone.utc)
     half_life = expires - timedelta(seconds=LIFETIME / 2)
-    # Down past half-life, and until an epoch is taken meanwhile, but back before the token expires.
+    # Down past half-life: she warns and an epoch is taken meanwhile, before the token expires.
     wait_for(lambda: datetime.now(timezone.utc) > half_life and "cannot renew" in log(deployment, "alice")
              and swarm_epoch(deployment) > epoch_down,
              max((expires - datetime.now(timezone.utc)).total_seconds() - 5, 1),
              "an epoch and a renewal warning while the portal is down")
-    deployment.start("portal-back", "-m", "app.cli", "serve")  # it takes a few seconds to answer
-    wait_for(lambda: "the portal is back: peer token renewed" in log(deployment, "alice"), LIFETIME,
-             "alice to renew once the portal is back")
     warning = next(line for line in log(deployment, "alice").splitlines() if "cannot renew" in line)
     assert re.search(r"training goes on, the token expires in \d+ s; asking again in \d+ s$", warning), warning
-    assert tokens_issued(deployment, "alice") > renewed
-    epoch_back = swarm_epoch(deployment)
-    wait_for(lambda: swarm_epoch(deployment) > epoch_back, 90, "training to go on after the outage")
-    assert deployment.processes["alice"].poll() is None
-    assert "Traceback" not in log(deployment, "alice")
 
-
-def test_the_portal_down_past_expiry_holds_training_and_the_worker_trains_again_once_it_returns(deployment):
-    deployment.stop("portal-back")  # alice renewed her token as it came back, or since: it expires within LIFETIME
-    wait_for(lambda: "token expired and the portal cannot renew it" in log(deployment, "alice"), LIFETIME + 15,
+    # Down past expiry: peers refuse an expired token, so she trains nothing (no epoch line for longer than two of her
+    # epochs alone take, about 3 s each here), and her worker stays.
+    wait_for(lambda: "token expired and the portal cannot renew it" in log(deployment, "alice"), LIFETIME,
              "alice's token to expire while the portal is down")
-    # Peers refuse an expired token: she trains nothing (no epoch line for longer than two of her epochs alone take,
-    # about 3 s each here), and her worker stays.
     held_at = local_epoch(log(deployment, "alice"))
     time.sleep(10)
     assert local_epoch(log(deployment, "alice")) == held_at and deployment.processes["alice"].poll() is None
     held = next(line for line in log(deployment, "alice").splitlines() if "token expired" in line)
     assert held.endswith("training holds; asking the portal every 10 s, and training resumes once it answers"), held
 
-    deployment.start("portal-again", "-m", "app.cli", "serve")
+    # Back: she renews and trains again, in a line each.
+    deployment.start("portal-back", "-m", "app.cli", "serve")  # it takes a few seconds to answer
     resumed = re.compile(r"^training resumes$", re.MULTILINE)  # its own line (the held line names it too)
     wait_for(lambda: resumed.search(log(deployment, "alice")), 60, "alice to train again")
     text = log(deployment, "alice")
     assert 0 <= text.find("the portal is back: peer token renewed") < resumed.search(text).start(), text
+    assert tokens_issued(deployment, "alice") > renewed
     wait_for(lambda: local_epoch(log(deployment, "alice")) > held_at, 60, "an epoch after the portal's return")
     assert deployment.processes["alice"].poll() is None
     assert "Traceback" not in log(deployment, "alice")
