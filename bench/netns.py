@@ -18,7 +18,7 @@ import subprocess
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from bench.emulate_averaging import shape
+from bench.emulate_averaging import namespaces_unavailable, shape
 
 SERVER = "10.231.0.254"
 QUEUE_MS = 50.0  # a home router's queue at its link's rate, milliseconds
@@ -44,6 +44,11 @@ def home_address(index: int) -> str:
     return f"192.168.{77 + index}.2"
 
 
+def home_gateway(index: int) -> str:
+    """The home router's address on its host's side."""
+    return f"192.168.{77 + index}.1"
+
+
 # The first host of each kind, as the reachability tests name them
 OPEN, ROUTER_WAN, HOME = open_address(0), router_address(0), home_address(0)
 
@@ -61,13 +66,11 @@ def sh(*args: str) -> None:
 
 
 def unavailable() -> str | None:
-    """Why namespaces with NAT and shaped links cannot be built here, or None."""
-    if os.geteuid() != 0:
-        return "not root: network namespaces need root"
-    for tool in ("ip", "nft", "tc"):
-        if shutil.which(tool) is None:
-            return f"`{tool}` is not installed (apt-get install iproute2 nftables)"
-    return None
+    """Why namespaces with NAT and shaped links cannot be built here, or None: the emulation's own needs, and
+    nftables for the routers."""
+    if shutil.which("nft") is None:
+        return "`nft` is not installed (apt-get install nftables)"
+    return namespaces_unavailable()
 
 
 class Internet:
@@ -113,7 +116,7 @@ class Internet:
         for j, name in enumerate(self.home_hosts):
             router, home = self._add(f"r{j}"), self._add(name)
             self._wire(switch, router, f"p-r{j}", "wan0", router_address(j), links.get(name))
-            gateway = f"192.168.{77 + j}.1"
+            gateway = home_gateway(j)
             sh("ip", "-n", router, "link", "add", "lan0", "type", "veth", "peer", "name", "eth0", "netns", home)
             sh("ip", "-n", router, "addr", "add", f"{gateway}/24", "dev", "lan0")
             sh("ip", "-n", router, "link", "set", "lan0", "up")
@@ -149,8 +152,8 @@ class Internet:
         """Take a host's only link down (its cable pulled) or bring it back."""
         sh("ip", "-n", self.ns(name), "link", "set", "eth0", "up" if up else "down")
         if up and name in self.home_hosts:
-            gateway = f"192.168.{77 + self.home_hosts.index(name)}.1"
-            subprocess.run(["ip", "-n", self.ns(name), "route", "replace", "default", "via", gateway],
+            subprocess.run(["ip", "-n", self.ns(name), "route", "replace", "default", "via",
+                            home_gateway(self.home_hosts.index(name))],
                            capture_output=True, timeout=30)
 
     def close(self) -> None:

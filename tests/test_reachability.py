@@ -84,14 +84,20 @@ def test_only_the_callers_own_address_is_dialed(libp2p_peer):
     assert not unreachable.reachable and "the portal dialed back each port" in unreachable.how
 
 
-def test_a_worker_asks_the_portal_which_dials_it_back(start_portal, libp2p_peer):
-    from dedloc_worker.portal.client import check_reachability
-
+def portal_with_run(start_portal):
+    """A portal serving run "demo", and a credential of alice's for it."""
     portal = start_portal()
     with portal.db() as session:
         registry.create_run(session, slug="demo", title="Demo")
         credential = issue_credential(session, user_id=sign_in_locally(session, username="alice").id)
         session.commit()
+    return portal, credential
+
+
+def test_a_worker_asks_the_portal_which_dials_it_back(start_portal, libp2p_peer):
+    from dedloc_worker.portal.client import check_reachability
+
+    portal, credential = portal_with_run(start_portal)
     port, addr = libp2p_peer
     report = check_reachability(portal.url, "demo", credential, [addr])
     assert report is not None and report.reachable and report.checks[0].dialed == f"127.0.0.1:{port}"
@@ -108,11 +114,7 @@ def test_while_the_portal_cannot_be_reached_the_worker_asks_again_and_takes_its_
 
     from tests.support.oidc_provider import LoopbackServer
 
-    portal = start_portal()
-    with portal.db() as session:
-        registry.create_run(session, slug="demo", title="Demo")
-        credential = issue_credential(session, user_id=sign_in_locally(session, username="alice").id)
-        session.commit()
+    portal, credential = portal_with_run(start_portal)
     # the portal restarting: its port bound, nothing accepted (refused) for the first 2.5 s
     late = LoopbackServer(portal.app)
     threading.Timer(2.5, late.__enter__).start()
