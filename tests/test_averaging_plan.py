@@ -439,6 +439,9 @@ def _average(averagers, weights, seed):
         with averager.get_tensors() as (tensor,):
             results.append(tensor.clone())
     outcomes = {str(averager.peer_id): averager.last_round(timeout=10) for averager in averagers}
+    finished = {str(averager.peer_id): averager.finished_round(timeout=10) for averager in averagers}
+    # the report's source (averaging.planning) is the same round once it has ended
+    assert all(finished[peer].group == outcomes[peer].group and finished[peer].ended > 0 for peer in outcomes)
     return expected, results, outcomes
 
 

@@ -530,5 +530,5 @@ class CappingAverager:
     def set_group_bits(self, bits, wait=True):
         self.bits = bits
 
-    def last_round(self, timeout=None):
+    def finished_round(self, timeout=None):
         return None

@@ -87,6 +87,8 @@ class Averager:
 
     def __init__(self, last=None):
         self.last, self.shares, self.bits = last, None, None
+        self.running = None  # a round under way, which last_round returns and finished_round does not
+
 
     def set_plan(self, shares):
         self.shares = shares
@@ -95,6 +97,9 @@ class Averager:
         self.bits = bits
 
     def last_round(self, timeout=None):
+        return self.running or self.last
+
+    def finished_round(self, timeout=None):
         return self.last
 
 
@@ -117,7 +122,7 @@ def test_after_each_epoch_the_report_carries_the_last_complete_round_and_the_new
     assert meter._round_ended.is_set(), "the round's end lets a due measurement start"
 
     meter.latest = (7e6, 8e6, 300.0)
-    averager.last = outcome(100, 200, began=310.0, ended=0.0)  # a round under way: nothing failed, nothing ended
+    averager.running = outcome(100, 200, began=310.0, ended=0.0)  # a round under way: nothing failed, nothing ended
     link = follower.after_epoch(averager)
     assert (link.upload_bps, link.download_bps, link.measured_at) == (7e6, 8e6, 300.0)
     assert (link.round_sent_bytes, link.round_ended) == (6000, 200.5), "the last finished round's figures stay"

@@ -294,6 +294,7 @@ class PlannedAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, Decent
         self._plan: Optional[Dict[str, float]] = None
         self._plan_check = None if authority is None else PlanCheck(authority)
         self._last_round: Optional[RoundOutcome] = None  # written in the averager's own process
+        self._last_finished: Optional[RoundOutcome] = None  # the newest round that ended there, complete or not
         self._robust, self._attest = robust, attest
         # The weight cap's clock: senders accumulate samples from then on. None before this peer's first round: a
         # peer that joins mid-epoch has not seen how long the others have been accumulating, so it caps nothing.
@@ -405,8 +406,19 @@ class PlannedAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, Decent
         while group_id not in self._running_groups and time.monotonic() < deadline:
             await asyncio.sleep(GROUP_POLL)
 
+    def finished_round(self, timeout: Optional[float] = None) -> Optional[RoundOutcome]:
+        """The outcome of this peer's newest all-reduce that has ended, or None before the first ends. With delayed
+        gradient averaging the next round is often running when the training loop asks (``last_round`` is then one
+        without an end), and a report built from ``last_round`` alone then missed every round's figures."""
+        future = MPFuture()
+        self._outer_pipe.send(("_get_finished_round", [], dict(future=future)))
+        return future.result(timeout)
+
     async def _get_last_round(self, future: MPFuture) -> None:
         future.set_result(self._last_round)
+
+    async def _get_finished_round(self, future: MPFuture) -> None:
+        future.set_result(self._last_finished)
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Dict:
         """hivemind's ``_aggregate_with_group`` with the checked split (``_split``) in place of
@@ -443,6 +455,7 @@ class PlannedAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, Decent
                     outcome.ended = self._previous_ended = time.time()
                     self._previous_began = outcome.began
                     self._note_runner(outcome, group_info)
+                    self._last_finished = outcome
             return dict(zip(group_info.peer_ids, user_gathered))
         except BaseException as e:
             from dedloc_worker.terminal import peer_failure

@@ -129,7 +129,7 @@ class PlanFollower(threading.Thread):
             # every epoch: hivemind moves an averager to another group key after each round it joins
             averager.set_group_bits(group_bits_for(self.applied, str(averager.peer_id)), wait=False)
         try:
-            last = averager.last_round(timeout=ROUND_QUERY_TIMEOUT)
+            last = averager.finished_round(timeout=ROUND_QUERY_TIMEOUT)
         except Exception:  # the averager is busy or shutting down: report the previous figures
             last = None
         # ended > began: a finished round (the outcome of one under way is complete too, having failed nothing yet)
