@@ -159,6 +159,32 @@ def test_a_receipt_counts_only_what_its_aggregators_note_says_the_parts_carried(
         assert "Nothing held" in held_table(sign_in(client, "alice").get("/me").text)
 
 
+def test_parts_lost_on_the_way_to_the_only_other_volunteer_are_unconfirmed_not_disputed(sessions, tmp_path):
+    """pete averages with alice alone, and half his parts never reach her: he is credited the half that arrived and
+    the rest is held as unconfirmed (lost in transit), with no dispute for an organizer. The control: quinn's weight,
+    cut by alice's cap with every part received, is the disagreement an organizer decides."""
+    from tests.test_credit_defences import disputes_by_author, reasons
+
+    capped = Attestation(parts=2, weight=32.0, used=16.0, dropped=0, clipped=0, kept=1.0, expected=2)
+    with sessions() as session:
+        run = aged_run(session, "lost")
+        for index, (group, sender, note) in enumerate((("g1", "pete", HALF_LOST), ("g2", "quinn", capped))):
+            alice = Peer(session, run, f"alice-{group}", tmp_path, 2 * index)
+            other = Peer(session, run, sender, tmp_path, 2 * index + 1)
+            members = sorted((alice.peer_id, other.peer_id))
+            seen = {group: {other.peer_id: 16.0}}
+            mine = claim(1, 32, group, seen, members).copy(update={"attested": {group: {other.peer_id: note}}})
+            credit_epochs(session, run, [alice.record(mine), other.record(claim(1, 32, group, {}, members))])
+        assert totals(session, run)["pete"] == (16, 16) and totals(session, run)["quinn"] == (16, 16)
+        [lost] = reasons(session, run, "pete")
+        assert lost.startswith("not confirmed in full: 16 of its 32 samples reached the peers that averaged with it") \
+            and "1 of 2 parts did not reach an aggregator" in lost and "not an accusation" in lost, lost
+        [capped_reason] = reasons(session, run, "quinn")
+        assert capped_reason.startswith("disputed: claimed 32 samples") and "capped" in capped_reason, capped_reason
+        assert {author: claims for author, claims in disputes_by_author(session, run).items()} == {
+            "alice-g2": [("quinn", "unresolved")]}
+
+
 def aggregate(make_reducer, sent: dict[int, list], weights: dict[int, float],
               leaves_after: dict[int, int] | None = None):
     """A reducer (``make_reducer()``, made in the event loop as hivemind's runner makes it) fed every sender's parts

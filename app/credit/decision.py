@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass
-from typing import Mapping, Optional, Sequence
+from typing import Collection, Mapping, Optional, Sequence
 
 from app.models import Contribution, max_length
 
@@ -20,6 +20,8 @@ ALONE = ("not confirmed: the averaging round did not form with anyone else, no o
          f"peer, so nobody could confirm these samples ({NOT_ACCUSED})")
 WEIGHTLESS = ("not confirmed: its round's other volunteers saw it join with weight 0, as a peer catching up with the "
               f"swarm or leaving joins a round, so these samples entered no shared step ({NOT_ACCUSED})")
+# the aggregators' account of the lost parts follows it, with NOT_ACCUSED (settlement's shortfall words)
+LOST = "not confirmed in full: {seen:,} of its {claimed:,} samples reached the peers that averaged with it"
 NO_MEMBERS = ("not confirmed: this worker did not list its round's members (a dedloc-worker older than the "
               "portal's): update it")
 # Dispute kinds, against the receipt's author.
@@ -54,7 +56,8 @@ def view_of(weight: float, claimed: int) -> int:
 
 def decide(claimed: int, observed_seconds: float, seen_by: Mapping[str, float], ceiling: float, *,
            round_formed: bool = True, members_listed: bool = True, others_in_round: int = 0,
-           own_account: Sequence[float] = (), username: str = "", weightless: bool = False) -> Decision:
+           own_account: Sequence[float] = (), username: str = "", weightless: bool = False,
+           in_transit: Collection[str] = ()) -> Decision:
     """Credit ``claimed`` samples as the claimant and the other users of its round agree, up to ``ceiling``
     samples/s over ``observed_seconds``.
 
@@ -67,6 +70,8 @@ def decide(claimed: int, observed_seconds: float, seen_by: Mapping[str, float], 
     :param own_account: what peers of the claimant's own account said they saw (counts for nothing, named)
     :param weightless: every receipt is hivemind's weight 0 itself, not a cut of the aggregator's (zeros, NaN, the
         cap): where the majority agrees on 0 the claim is unconfirmed, not contested
+    :param in_transit: other users whose receipts fall short only because parts did not arrive: a shortfall they
+        alone explain is credited as far as it arrived and the rest is unconfirmed, neither contested nor disputed
     """
     if claimed <= 0:
         return Decision(0, 0, None)
@@ -77,7 +82,14 @@ def decide(claimed: int, observed_seconds: float, seen_by: Mapping[str, float], 
         votes = Counter(views.values())
         votes[claimed] += 1  # the claimant's own word
         value, count = max(votes.items(), key=lambda item: (item[1], -item[0]))
-        if 2 * count > len(views) + 1:
+        majority = 2 * count > len(views) + 1
+        short = {user for user, view in views.items() if view < claimed}
+        if short <= set(in_transit) and (not majority or value < claimed) and not (value == 0 and weightless):
+            # every voice below the claim received less only because parts were lost on the way: nobody disagrees
+            supported = value if majority else min(views.values())
+            agreed = value if majority else None
+            reasons.append(LOST.format(seen=supported, claimed=claimed))
+        elif majority:
             agreed = supported = value
             if value == 0 and weightless:
                 reasons.append(WEIGHTLESS)

@@ -246,8 +246,13 @@ def _decide_row(row, known, member_users, seen_by, listed_by, run: Run, window: 
     seen = {author: statistics.median_low(weights) for author, weights in voices.items()}
     # hivemind's own weight 0 (a peer catching up or leaving tags along): no aggregator's note cut it
     weightless = bool(counted) and all(weight == 0 and not notes[aggregator] for aggregator, _, weight in counted)
+    # users each of whose receipts below the claim is short only by parts that did not arrive
+    short_by = [(author, attestations.lost_in_transit(notes[aggregator])) for aggregator, author, weight in counted
+                if view_of(weight, row.samples) < row.samples]
+    in_transit = {author for author, _ in short_by} - {author for author, lost in short_by if not lost}
     decision = decide(row.samples, window, seen, ceiling, round_formed=bool(row.group_id), members_listed=bool(members),
-                      others_in_round=len(others), own_account=own, username=username, weightless=weightless)
+                      others_in_round=len(others), own_account=own, username=username, weightless=weightless,
+                      in_transit=in_transit)
     decision = _with_shortfall(decision, row.samples, [note for note in notes.values() if note])
 
     def against(aggregator: str, author: str, weight: float, kind: str) -> None:
