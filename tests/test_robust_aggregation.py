@@ -28,7 +28,7 @@ from tests.support.harness import TAG, tagged_processes, wait_for
 
 pytestmark = pytest.mark.swarm
 
-BATCH, COMPUTE_SECONDS, BATCHES_PER_EPOCH = 32, 0.3, 3
+BATCH, COMPUTE_SECONDS, BATCHES_PER_EPOCH, PEERS = 32, 0.3, 3, 4
 EPOCHS = STATE_EVERY // 2  # every other scenario of an optimizer holds one state round, at its last epoch
 GRADIENT_ATTACKS = ("x1000", "flip", "nan", "weight")
 STATE_ATTACKS = ("state-x1000", "state-nan")
@@ -108,8 +108,10 @@ def honest_losses(results, name: str) -> list:
 
 
 def bound(results) -> float:
-    """The most an honest peer's loss may end at under attack with robust aggregation; the plain mean ends past it."""
-    return max(honest_losses(results, "honest")) + MARGIN_OF_START * START
+    """The most an honest peer's loss may end at under attack with robust aggregation; the plain mean ends past it.
+    The honest run is the worse of the two all-honest scenarios: one alone ended anywhere in 1.26-1.94 over runs
+    (which rounds formed in twos), and a lucky 1.26 put the bound under an attack's ordinary 2.9."""
+    return max(honest_losses(results, "honest") + honest_losses(results, "honest-mean")) + MARGIN_OF_START * START
 
 
 def test_every_scenario_ran_its_epochs_on_every_peer(swarm):
@@ -154,8 +156,9 @@ def test_the_aggregators_name_the_attacker(swarm, attack):
     notes = [note for per_round in named for note in per_round]
     if attack == "nan":
         assert all(note["dropped"] >= 1 for note in notes)
-    elif attack == "weight":
-        assert all(note["used"] < note["weight"] / 10 for note in notes)  # 100x capped to about 1.7x
+    elif attack == "weight":  # 100x capped to about 1.7x, in the rounds it lied in (all but a scenario's first)
+        inflated = [note for note in notes if note["weight"] > 10 * BATCH * BATCHES_PER_EPOCH * PEERS]
+        assert len(inflated) >= EPOCHS // 2 and all(note["used"] < note["weight"] / 10 for note in inflated), notes
     else:
         assert any(note["clipped"] >= 1 and note["kept"] < 1.0 for note in notes)
     honest_ids = {swarm[i]["peer_id"] for i in range(3)}

@@ -14,7 +14,8 @@ peer whose index is the schedule's ``attacker`` does what ``attack`` says:
 - ``x1000``: its gradients x1000 in the scenario's first epoch (Adam normalizes a step's size: a steady x1000
   sender steers only the direction, one x1000 round inflates Adam's second moment and stalls its steps);
 - ``flip``: its gradients times -4 (sign-flipped, outweighing the three honest ones in a plain mean);
-- ``nan``: NaN and Inf in every gradient part; ``weight``: sign-flipped, with 100x its samples as its weight;
+- ``nan``: NaN and Inf in every gradient part; ``weight``: sign-flipped, with 100x its samples as its weight, from
+  the scenario's second epoch;
 - ``state-x1000``, ``state-nan``: its parameters x1000, or NaN, in the state rounds (every ``average_state_every``
   epochs; the schedule places a state round in these scenarios), and honest gradients.
 
@@ -136,7 +137,10 @@ def run_scenario(schedule, scenario, optimizer, initial, model, index, truth, he
         time.sleep(schedule["compute_seconds"])
         grad = gradient(model.detach(), *batch(schedule, truth, index, 1000 * optimizer.local_epoch + step))
         step += 1
-        model.grad = poison(attack, grad, optimizer.local_epoch == start)
+        # The 100x weight from the second round on: the first follows the barrier, and an aggregator's cap allows the
+        # time since its previous round, which the barrier stretched (docs/averaging.md#robust-aggregation)
+        optimizer.attack = None if attack == "weight" and optimizer.local_epoch == start else attack
+        model.grad = poison(optimizer.attack, grad, optimizer.local_epoch == start)
         optimizer.step(batch_size=schedule["batch"])
     optimizer.state_averager.step(wait_for_delayed_updates=True)  # the last round's update is in
     optimizer.collect_rounds()
