@@ -68,6 +68,11 @@ BATCH = 16
 # run to take several seconds a step (a 4-minute trial at 2 s steps: 88% of the samples in rounds that did not form or
 # finish, the DSL uplinks and the NAT'd peers' first minutes)
 TARGET_BATCH = {"loopback": 1024, "emulated": 4096}
+# Matchmaking and the round's timeout: loopback's short ones; on the emulated links a run's default matchmaking (5 s),
+# as a NAT'd peer's requests go through a relay (at 1 s, seed 6's 30 minutes left 42% of the samples unconfirmed,
+# mostly "no averaging group formed" on the client-mode peers)
+MATCHMAKING = {"loopback": {"matchmaking_time": 1.0, "averaging_timeout": 10.0},
+               "emulated": {"matchmaking_time": 5.0, "averaging_timeout": 30.0}}
 # (event, weight): what the schedule draws from; link drops only where the workers have links of their own
 EVENTS = (("join", 4), ("leave", 2), ("kill", 2), ("restart-coordinator", 1), ("restart-portal", 1), ("link-drop", 2))
 LINK_DROP_SECONDS = 30.0
@@ -109,6 +114,7 @@ class Soak:
     epochs_seen: dict = field(default_factory=dict)  # session -> [(unix time, epoch its terminal showed)]
     sessions: dict = field(default_factory=dict)  # username -> its running session's log name ("user" or "user.N")
     internet: Optional[netns.Internet] = None  # the workers' hosts; None on loopback
+    timings: dict = field(default_factory=dict)  # the run's matchmaking_time and averaging_timeout
     links_down: dict = field(default_factory=dict)  # username -> threading.Timer that brings its link back
 
     def log(self, name: str) -> Path:
@@ -291,8 +297,9 @@ def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[
     env = {"DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(port), "DATABASE_URL": "", "DEDLOC_HOST": host,
            "DEDLOC_PEER_TOKEN_LIFETIME": str(TOKEN_LIFETIME)}
     soak = Soak(work=work, url=f"http://{host}:{port}", env=env, workers=workers)
-    optimizer = {**LOOPBACK_OPTIMIZER, "matchmaking_time": 1.0, "averaging_timeout": 10.0,
-                 "metadata_expiration": 10.0, "next_chunk_timeout": 3.0, "algorithm": algorithm}
+    optimizer = {**LOOPBACK_OPTIMIZER, **MATCHMAKING[network], "metadata_expiration": 10.0,
+                 "next_chunk_timeout": 3.0, "algorithm": algorithm}
+    soak.timings = MATCHMAKING[network]
     if algorithm == "local-updates":
         optimizer["outer_batch_size"] = 4 * TARGET_BATCH[network]
     created = soak.cli("create-run", "soak", "--task", "tiny-lm", "--target-batch-size", str(TARGET_BATCH[network]),
@@ -420,6 +427,7 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
         network=(f"emulated: {len(soak.internet.open_hosts)} open hosts, {len(soak.internet.home_hosts)} behind NAT, "
                  "links " + ", ".join(f"{link.down:g}/{link.up:g}" for link in LINKS) + " Mbit/s"
                  if soak.internet else "loopback"),
+        matchmaking_seconds=soak.timings["matchmaking_time"], averaging_timeout=soak.timings["averaging_timeout"],
         events={kind: sum(1 for e in soak.events if e["event"] == kind) for kind in
                 ("join", "leave", "kill", "coordinator down", "portal down", "ban", "link down")},
         # None: the worker left or was killed before an epoch of its was credited again
@@ -563,7 +571,8 @@ def markdown(rows: list) -> str:
         viewers = (f"{r['viewer_requests']}, {r['viewer_errors']}, {r['viewer_unanswered']}, {r['viewer_p95_ms']}"
                    if "viewer_requests" in r else "-")
         back = ", ".join("-" if s is None else f"{s:g}" for s in r.get("link_recovery_seconds", [])) or "-"
-        lines.append(f"| {r['seed']} | {r['minutes']:g} | {r['algorithm']} | {r.get('network', 'loopback')} | "
+        network = f"{r.get('network', 'loopback')}, matchmaking {r.get('matchmaking_seconds', 1.0):g} s"
+        lines.append(f"| {r['seed']} | {r['minutes']:g} | {r['algorithm']} | {network} | "
                      f"{events} | {back} | {r['epochs']} | "
                      f"{r['uncredited_epochs']} of {r['honest_claims']} ({r['uncredited_samples_share']:.1%}) | "
                      f"{unconfirmed} | "
