@@ -53,6 +53,11 @@ def test_three_workers_train_in_outer_rounds_and_are_credited_each_sample_once(d
     wait_for(lambda: local_epoch(log("bob")) >= 1 and local_epoch(log("mallory")) >= 1, 180,
              "bob and mallory in outer rounds")
     deployment.start_worker("carol", "--max-epochs", str(LAST_EPOCH))  # joins mid-phase
+    # Paused while she starts (here 15-20 s, in which the others once trained on to the last epoch without her): she
+    # takes the outer state from the paused peers, and the three train from there.
+    deployment.set_state("paused")
+    wait_for(lambda: "the run is paused" in log("carol"), 120, "carol to join the paused run")
+    deployment.set_state("active")
     # killed once carol is in the rounds, so that alice's parts have another full peer to confirm them after the kill
     wait_for(lambda: local_epoch(log("carol")) >= local_epoch(log("alice")) - 1 >= 3, 120, "carol in the rounds")
     killed_at = local_epoch(log("alice"))
