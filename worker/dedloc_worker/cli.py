@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import json
 import os
 import signal
@@ -11,6 +12,8 @@ import threading
 from pathlib import Path
 
 from dedloc_worker.errors import WorkerError
+
+STUCK_SECONDS = 25.0  # after Ctrl-C or SIGTERM: a leave takes a few seconds (LEAVE_GRACE, a state round's rest)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -46,8 +49,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv=None) -> int:
     args = build_parser().parse_args(argv)
     stop = threading.Event()
+
+    def leave(*_) -> None:
+        if not stop.is_set():
+            # A worker leaves within seconds; one still here after STUCK_SECONDS prints where each thread is (from a
+            # C thread of faulthandler's, which a stuck main thread does not hold up), for a bug report
+            faulthandler.dump_traceback_later(STUCK_SECONDS, exit=False)
+        stop.set()
+
     for signum in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(signum, lambda *_: stop.set())
+        signal.signal(signum, leave)
     try:
         code = COMMANDS[args.command](args, stop)
     except WorkerError as e:
