@@ -12,7 +12,14 @@ A run that reached its target (or that its organizers ended) is no error: the wo
 ``RUN_FINISHED``, so scripts can tell "done" from "stopped".
 """
 
+import asyncio
+
 RUN_FINISHED = 7
+
+# What a call into hivemind's DHT from one of the worker's threads can raise beyond Exception: its MPFuture passes on
+# the coroutine's GeneratorExit or CancelledError (a 30-minute soak's relay watch died of a GeneratorExit). A thread
+# that retries the DHT catches these; coroutines let cancellation through.
+DHT_FAILURES = (Exception, GeneratorExit, asyncio.CancelledError)
 
 
 class WorkerError(Exception):

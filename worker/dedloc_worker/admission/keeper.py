@@ -19,6 +19,7 @@ from dedloc_worker.admission.gate import (
     parse_expiration,
     to_access_token,
 )
+from dedloc_worker.errors import DHT_FAILURES
 
 RECALL_EVERY = 15  # keeper rounds between two calls to the run's coordinators (and republishing the denylist)
 # Keeper rounds between two reads of the DHT's tokens and denylist, unless a handler met an unknown caller: each
@@ -95,7 +96,7 @@ class AdmissionKeeper(threading.Thread):
                 self.failure = str(e)
                 self.stop.set()
                 return
-            except Exception as e:  # the DHT or the portal briefly unavailable: keep what we have, retry
+            except DHT_FAILURES as e:  # the DHT or the portal briefly unavailable: keep what we have, retry
                 if not self.halted.is_set():
                     print(f"admission: {type(e).__name__}: {e}; retrying", flush=True)
             self.halted.wait(self.interval)

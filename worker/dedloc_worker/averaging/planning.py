@@ -20,6 +20,7 @@ from typing import Callable, Optional
 
 from dedloc_common.contract import LinkReport, OptimizerOptions, PlanRecord
 
+from dedloc_worker.errors import DHT_FAILURES
 from dedloc_worker.swarm.records import read_plan
 
 ROUND_QUERY_TIMEOUT = 2.0  # seconds to wait for the averager process to say how its last round went
@@ -101,7 +102,7 @@ class PlanFollower(threading.Thread):
                 plan = read_plan(self.dht, self.run_id, self.check)
                 if plan is not None and (self.newest is None or plan.issued_at > self.newest.issued_at):
                     self.newest = plan
-            except Exception as e:  # the DHT briefly unavailable: the averager keeps the plan it has
+            except DHT_FAILURES as e:  # the DHT briefly unavailable: the averager keeps the plan it has
                 if not self.halted.is_set():
                     print(f"plan: {type(e).__name__}: {e}; retrying", flush=True)
             self.halted.wait(self.interval)

@@ -33,6 +33,8 @@ from typing import Dict, List, Optional
 
 from dedloc_common.contract import PENDING_CLAIMS_BYTES, PENDING_CLAIMS_KEPT, EpochContribution, MetricsRecord
 
+from dedloc_worker.errors import DHT_FAILURES
+
 # How many unacknowledged claims, and bytes of them (JSON), a worker holds in memory; the record carries the oldest.
 CLAIMS_HELD = 7200
 CLAIMS_HELD_BYTES = 16 * 1024 * 1024
@@ -164,7 +166,7 @@ class ClaimKeeper(threading.Thread):
         while not self.halted.wait(min(self.interval, BACKLOG_INTERVAL) if self.outbox.backlog else self.interval):
             try:
                 self.tick()
-            except Exception as e:  # the DHT briefly unavailable: the record still lives, try again
+            except DHT_FAILURES as e:  # the DHT briefly unavailable: the record still lives, try again
                 if not self.halted.is_set():
                     print(f"claims: {type(e).__name__}: {e}; retrying", flush=True)
 

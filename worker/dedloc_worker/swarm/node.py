@@ -11,6 +11,8 @@ from typing import Callable, List, Optional, Sequence
 
 import hivemind
 
+from dedloc_worker.errors import DHT_FAILURES
+
 
 class _StaleRequestsDropped:
     """The DHT process's end of its request pipe. A request carries its reply pipe as a descriptor that the sending
@@ -131,7 +133,7 @@ class RelayWatch(threading.Thread):
         while not self.halted.wait(self.interval):
             try:
                 relayed = sorted(self.addresses())
-            except Exception:  # the DHT busy or shutting down: look again next time
+            except DHT_FAILURES:  # the DHT busy or shutting down: look again next time
                 continue
             if relayed and relayed != self.relayed:
                 self.say(f"relay: receiving through {relayed[0]}: libp2p can reach this machine through the "

@@ -39,6 +39,8 @@ from hivemind.optim.progress_tracker import LocalTrainingProgress, TrainingProgr
 from hivemind.proto.auth_pb2 import AccessToken
 from hivemind.utils import get_dht_time
 
+from dedloc_worker.errors import DHT_FAILURES
+
 # How long a metrics record lives in the DHT (seconds) after its last publication. A worker republishes its record
 # while claims in it wait for the coordinator's acknowledgement (dedloc_worker.credit.outbox), so an outage longer than
 # this loses nothing; DEDLOC_METRICS_TTL changes it (tests shorten it), for the coordinator's acknowledgements too.
@@ -148,7 +150,7 @@ class MetricsPublisher:
             last = time.monotonic()
             try:
                 self._publish(record)
-            except Exception as e:  # the DHT shutting down, or unreachable: the next record carries the same claims
+            except DHT_FAILURES as e:  # the DHT shutting down, or unreachable: the next record carries the same claims
                 self._say(f"could not publish this peer's metrics record ({type(e).__name__}: {e}); "
                           "the next epoch's record carries its claims")
 
@@ -290,7 +292,7 @@ def publish_acks(dht: DHT, run_id: str, signature: RSASignatureValidator, acks: 
     for future in futures:
         try:
             accepted += bool(future.result(timeout=timeout))
-        except Exception:  # a slow or failed store: the next poll publishes it again
+        except DHT_FAILURES:  # a slow or failed store: the next poll publishes it again
             continue
     return accepted
 
