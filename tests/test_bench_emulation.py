@@ -17,6 +17,10 @@ import pytest
 from bench.emulate_averaging import MODES, namespaces_unavailable
 from tests.support.harness import ROOT
 
+# hivemind peers in processes of their own: the swarm pass, with the machine to itself (in the parallel pass, beside
+# the browser tests, its 12 s run once outlasted its 60 s)
+pytestmark = pytest.mark.swarm
+
 KEYS = {"profile", "mode", "ring", "equal", "hivemind", "planner", "lower_bound"}
 
 
