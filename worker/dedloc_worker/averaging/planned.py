@@ -371,9 +371,7 @@ class PlannedAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, Decent
 
     def last_round(self, timeout: Optional[float] = None) -> Optional[RoundOutcome]:
         """The outcome of this peer's last all-reduce, or None before the first; waits up to ``timeout`` seconds."""
-        future = MPFuture()
-        self._outer_pipe.send(("_get_last_round", [], dict(future=future)))
-        return future.result(timeout)
+        return self._ask("_get_last_round", timeout)
 
     async def rpc_aggregate_part(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                                  context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -410,8 +408,12 @@ class PlannedAverager(ClosesReplica, EndsRunningRounds, DeclaresOnChange, Decent
         """The outcome of this peer's newest all-reduce that has ended, or None before the first ends. With delayed
         gradient averaging the next round is often running when the training loop asks (``last_round`` is then one
         without an end), and a report built from ``last_round`` alone then missed every round's figures."""
+        return self._ask("_get_finished_round", timeout)
+
+    def _ask(self, handler: str, timeout: Optional[float]) -> Optional[RoundOutcome]:
+        """What ``handler`` answers in the averager's own process, where the outcomes are written."""
         future = MPFuture()
-        self._outer_pipe.send(("_get_finished_round", [], dict(future=future)))
+        self._outer_pipe.send((handler, [], dict(future=future)))
         return future.result(timeout)
 
     async def _get_last_round(self, future: MPFuture) -> None:

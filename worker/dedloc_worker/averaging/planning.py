@@ -133,7 +133,7 @@ class PlanFollower(threading.Thread):
             last = averager.finished_round(timeout=ROUND_QUERY_TIMEOUT)
         except Exception:  # the averager is busy or shutting down: report the previous figures
             last = None
-        # ended > began: a finished round (the outcome of one under way is complete too, having failed nothing yet)
+        # complete: every part aggregated and returned (an incomplete round's figures say nothing of the link)
         if last is not None and last.complete and last.ended > last.began:
             self.link = self.link.copy(update=dict(
                 round_seconds=round(last.seconds, 4), round_planned=last.planned, round_ended=float(last.ended),
