@@ -4,6 +4,7 @@ processes on loopback)."""
 
 from __future__ import annotations
 
+import re
 import signal
 import time
 
@@ -74,14 +75,28 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     # when they had stopped at different points (up to three such rounds in one run). Rounds are counted outside them.
     cut = {epoch for name in trainers for epoch in range(paused_at[name], paused_at[name] + 3)}
 
-    def trained_on() -> bool:  # training went on, and the trainers shared enough epochs to count failed rounds
+    def recorded() -> dict[str, list[int]]:
         claims = deployment.claims_in_database()
-        trained = {name: sorted(e for (user, e), samples in claims.items() if user == name and samples)
-                   for name in trainers}
-        shared = (set(trained["alice"][1:]) & set(trained["bob"][1:])) - cut
-        return trained["alice"][-1] >= paused_epoch + 3 and len(shared) >= 10
+        return {name: sorted(e for (user, e), samples in claims.items() if user == name and samples)
+                for name in trainers}
 
-    wait_for(trained_on, 180, "training to go on after the pause, ten epochs shared by both trainers")
+    def trained_on() -> bool:  # training went on, and the trainers shared enough epochs to count failed rounds
+        epochs = recorded()
+        shared = (set(epochs["alice"][1:]) & set(epochs["bob"][1:])) - cut
+        return epochs["alice"][-1] >= paused_epoch + 3 and len(shared) >= 10
+
+    def how_things_stand() -> str:
+        tails = {name: (deployment.logs / f"{name}.log").read_text()[-1500:] for name in trainers}
+        return (f"training to go on after the pause (at {paused_at}, cut {sorted(cut)}), ten epochs shared by both "
+                f"trainers; epochs with samples recorded: {recorded()}; the trainers' logs end: {tails}")
+
+    wait_for(trained_on, 180, how_things_stand)
+    # The pause was no training time: the rate each trainer reports after it is of the order of the one before it
+    # (counted, the pause cut it to a thirtieth)
+    for name in trainers:
+        before, after = (deployment.logs / f"{name}.log").read_text().split("\ntraining resumes\n", 1)
+        rate = lambda text: [int(r) for r in re.findall(r"\| (\d+) samples/s here", text)]  # noqa: E731
+        assert rate(after)[0] > rate(before)[-1] / 3, (name, rate(before)[-3:], rate(after)[:3])
     assert all(deployment.processes[name].poll() is None for name in workers), "a worker ended early"
     for name in workers:  # volunteers leave with Ctrl-C
         deployment.processes[name].send_signal(signal.SIGINT)

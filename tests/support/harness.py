@@ -62,8 +62,9 @@ def local_epoch(text: str) -> int:
     return int(found[-1]) if found else -1
 
 
-def wait_for(check: Callable[[], object], timeout: float, what: str, interval: float = 0.25):
-    """Poll ``check`` until it returns something truthy; fail the test with ``what`` after ``timeout`` s."""
+def wait_for(check: Callable[[], object], timeout: float, what: str | Callable[[], str], interval: float = 0.25):
+    """Poll ``check`` until it returns something truthy; fail the test with ``what`` after ``timeout`` s (a callable
+    ``what`` says how things stood then)."""
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -73,7 +74,7 @@ def wait_for(check: Callable[[], object], timeout: float, what: str, interval: f
         if value:
             return value
         if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what}")
+            raise AssertionError(f"timed out after {timeout:.0f} s waiting for {what() if callable(what) else what}")
         time.sleep(interval)
 
 
