@@ -86,6 +86,7 @@ EXPIRED_LINE = "token expired and the portal cannot renew it"  # dedloc_worker.a
 LINKS = (netns.Link(down=100, up=100), netns.Link(down=50, up=10), netns.Link(down=16, up=2))
 TRACEBACK = "Traceback (most recent call last)"
 UNCONFIRMED = "not confirmed"  # how app.credit.decision words a claim no other volunteer's peer saw
+PARTS = ("main", "p2pd", "children")  # what a process tree's RSS is split into (``part_of``)
 VIEW_SECONDS = 1.0  # between two viewers' requests
 WATCH_SECONDS = 1.0  # between two reads of the workers' terminal lines
 EPOCH_LINE = re.compile(r"^epoch (\d+) \|", re.MULTILINE)  # a worker's line per epoch (dedloc_worker.terminal)
@@ -275,16 +276,34 @@ def sample(soak: Soak) -> None:
             root = psutil.Process(proc.pid)
             members = [root, *root.children(recursive=True)]
             rss = fds = threads = 0
+            parts = dict.fromkeys(PARTS, 0)
             for member in members:
                 try:
-                    rss += member.memory_info().rss
+                    size = member.memory_info().rss
+                    rss += size
+                    parts[part_of(member, root)] += size
                     fds += member.num_fds()
                     threads += member.num_threads()
                 except psutil.NoSuchProcess:
                     continue
         except psutil.NoSuchProcess:
             continue
-        soak.samples.append(dict(at=now, process=name, pid=proc.pid, rss=rss, fds=fds, threads=threads))
+        soak.samples.append(dict(at=now, process=name, pid=proc.pid, rss=rss, fds=fds, threads=threads, parts=parts))
+
+
+def part_of(member: psutil.Process, root: psutil.Process) -> str:
+    """Which part of a process tree ``member`` is: the process itself, libp2p's daemon, or another child (a worker's
+    DHT and averager processes, a portal's web processes)."""
+    if member.pid == root.pid:
+        return "main"
+    return "p2pd" if member.name() == "p2pd" else "children"
+
+
+def rss_growth_by_part(samples: list, began: float, seconds: float) -> dict:
+    """``rss_growth`` of each part (``part_of``) of each process tree, where the tree has that part: what grows."""
+    split = [dict(sampled, process=f"{sampled['process']}: {part}", rss=size)
+             for sampled in samples for part, size in sampled.get("parts", {}).items() if size]
+    return rss_growth(split, began, seconds)
 
 
 def run(minutes: float, seed: int, algorithm: str, workers: int, keep: Optional[Path], emulated: bool) -> dict:
@@ -447,6 +466,7 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
         longest_stall_seconds=round(stall, 1), longest_stall_near=stall_cause,
         longest_snapshot_gap_seconds=round(snapshot_gap, 1),
         rss_growth_per_hour=growth,
+        rss_growth_per_hour_by_part=rss_growth_by_part(soak.samples, began, minutes * 60),
         fds_last={name: series[-1]["fds"] for name, series in _series(soak.samples).items()},
         threads_last={name: series[-1]["threads"] for name, series in _series(soak.samples).items()},
         viewer_requests=len(soak.views),
