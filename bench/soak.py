@@ -384,14 +384,20 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
     from sqlalchemy import func, select
 
     from app.core.database import make_engine, make_sessionmaker
-    from app.models import Base, Contribution, Snapshot
+    from app.credit.ledger import users_of_peer_ids
+    from app.models import Base, Contribution, Peer, Run, Snapshot
 
     engine = make_engine(f"sqlite:///{soak.work / 'var' / 'dedloc.sqlite3'}")
     try:
         with make_sessionmaker(engine)() as session:
             claims = session.execute(select(Contribution.username, Contribution.peer_key, Contribution.epoch,
                                             Contribution.samples, Contribution.credited, Contribution.held,
-                                            Contribution.reason, Contribution.recorded_at)).all()
+                                            Contribution.reason, Contribution.recorded_at,
+                                            Contribution.members)).all()
+            run = session.scalar(select(Run).where(Run.slug == "soak"))
+            owners = users_of_peer_ids(session, run, {m for c in claims for m in (c.members or ())}) if run else {}
+            clients = {name for name, reachability in session.execute(select(Peer.username, Peer.reachability))
+                       if reachability == "unreachable"}
             snapshots = session.execute(select(Snapshot.taken_at, Snapshot.epoch).order_by(Snapshot.taken_at)).all()
             rows = {table.name: session.scalar(select(func.count()).select_from(table))
                     for table in Base.metadata.sorted_tables}
@@ -403,6 +409,9 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
     # samples no other volunteer averaged (no round, a round alone or unfinished): work lost, not credit withheld
     unconfirmed = [c for c in held if (c.reason or "").startswith(UNCONFIRMED)]
     withheld = [c for c in held if c not in unconfirmed]  # averaged with others, yet held: disputes, the ceiling
+    # a round whose other members were all client-mode peers: they aggregate no part, so nobody can confirm the claim
+    only_clients = [c for c in unconfirmed
+                    if (others := {owners.get(m) for m in c.members or ()} - {c.username, None}) and others <= clients]
     reasons: dict[str, int] = {}
     for c in held:
         key = re.sub(r"\d[\d,.]*", "N", c.reason or "")[:90]  # numbers out: one key per kind of reason
@@ -458,6 +467,7 @@ def check(soak: Soak, began: float, minutes: float, seed: int, algorithm: str) -
         uncredited_reasons=reasons,
         uncredited_samples_share=round(sum(c.held for c in withheld) / max(1, sum(c.samples for c in honest)), 4),
         unconfirmed_samples_share=round(sum(c.held for c in unconfirmed) / max(1, sum(c.samples for c in honest)), 4),
+        unconfirmed_only_client_partners=len(only_clients),
         double_credited_epochs=double, banned_credit_past_bound=len(banned_after),
         # the control: the banned user trained and was credited before the ban
         banned_credited_before=sum(1 for c in claims if soak.banned and c.username == soak.banned and c.credited > 0
