@@ -195,6 +195,33 @@ def add_snapshots(session, run, *points: tuple[float, int]) -> None:
     session.commit()
 
 
+def test_a_claim_after_an_epoch_its_peer_skipped_may_cover_that_epoch_too(sessions, tmp_path):
+    """A peer an epoch behind the swarm trains through two epochs' time before its step and names its claim by the
+    later one. hana claimed epoch 3, none for 4 (she lagged), and 5,000 samples for 5: more than the ceiling of 1,000
+    samples/s allows in epoch 5's 3 s, within epochs 4's and 5's 6 s together, so they are credited in full. The
+    controls, with the same 5,000 samples for epoch 5: kim claimed epoch 4 too, so his claim covers epoch 5's time
+    alone; lars's first claim is for epoch 5, so it has no earlier epoch to span (the time liar's case below)."""
+    with sessions() as session:
+        run = aged_run(session, "lagging", samples_per_second_ceiling=1000)
+        hana, kim, lars, ida = (Peer(session, run, name, tmp_path, index)
+                                for index, name in enumerate(("hana", "kim", "lars", "ida")))
+        # snapshots one second apart: epoch 3 from 70 s ago, 4 from 67 s ago, 5 from 64 s ago, 6 from 61 s ago
+        add_snapshots(session, run, *((70 - second, 3 + second // 3) for second in range(10)))
+        confirmations = []
+        for epoch, peers in ((3, (hana, kim, ida)), (4, (kim, ida)), (5, (hana, kim, lars, ida))):
+            group = f"r{epoch}"
+            members = sorted(peer.peer_id for peer in peers)
+            sent = {peer: 5000 if epoch == 5 and peer is not ida else 1000 for peer in peers}
+            for peer in peers:  # ida aggregates every part and sees each sender's weight as claimed
+                seen = {other.peer_id: float(sent[other]) for other in peers if other is not peer} if peer is ida else {}
+                confirmations.append(peer.record(claim(epoch, sent[peer], group, {group: seen}, members)))
+        credit_epochs(session, run, confirmations)
+        window = 3.0 + 1  # epoch 5's window: from the last snapshot at epoch 4 to the first at epoch 6
+        assert totals(session, run)["hana"] == (6000, 0)
+        assert totals(session, run)["kim"] == (1000 + 1000 + int(1000 * window), 5000 - int(1000 * window))
+        assert totals(session, run)["lars"] == (int(1000 * window), 5000 - int(1000 * window))
+
+
 def test_the_ceiling_uses_the_time_the_coordinator_saw_not_the_claims_own(sessions, database_url, tmp_path,
                                                                          monkeypatch):
     """Time liar: lars's claim says its epoch took 1,000 s; the coordinator saw epoch 5 take 3 s at most (snapshots

@@ -29,7 +29,8 @@ for nothing and, where it says less than the claim, is recorded as a dispute aga
 Then the ceiling: a claim is credited up to the run's samples-per-second ceiling (the organizer's, else derived from
 the swarm's confirmed rates: ``app.credit.ceiling``) times the epoch's length as the
 coordinator's clock saw it (``observed_seconds``: from its last snapshot before the epoch began to its first after
-the epoch ended), whatever the claim says its own seconds were. The rest is held, with the reason in words. An account
+the epoch ended; from the epoch before where its key skipped that one, ``windows.claim_windows``), whatever the claim
+says its own seconds were. The rest is held, with the reason in words. An account
 one of whose peers failed a spot check, or had a drawn claim a check could not judge (``app.credit.spot_checks``),
 has every claim held, of any of its peer keys, with the check's evidence, until an organizer lifts the hold.
 
@@ -70,7 +71,7 @@ from app.credit.decision import (  # noqa: F401  (re-exported: the names settlem
 )
 from app.credit.ledger import SignedMetrics, users_of_peer_ids
 from app.credit.spot_checks import account_holds
-from app.credit.windows import epoch_windows, observed_seconds
+from app.credit.windows import claim_windows, observed_seconds
 from app.models import Contribution, Dispute, IssuedPeerToken, Peer, Receipt, Run
 
 
@@ -185,14 +186,14 @@ def settle(session: Session, run: Run, groups: Iterable[str], ungrouped: Sequenc
     known = owners(session, run, {row.peer_key for row in rows} | {
         aggregator for found in seen_by.values() for aggregator, _, _ in found})
     member_users = users_of_peer_ids(session, run, {member for row in rows for member in (row.members or ())})
-    windows = epoch_windows(session, run, {row.epoch for row in rows})
+    windows = claim_windows(session, run, {(row.peer_key, row.epoch) for row in rows})
     ceiling = ceiling_in_force(session, run).samples_per_second  # the organizer's, or derived from confirmed rates
     # an account a spot check holds (failed, or a drawn claim it could not judge) is held, whichever key it uses
     checked = account_holds(session, run, {known[row.peer_key][0] for row in rows if row.peer_key in known})
     changes: list[dict[str, Any]] = []
     disputes: dict[tuple[str, str, str], dict[str, Any]] = {}  # (round, claim key, aggregator key) -> a Dispute
     for row in rows:
-        window = observed_seconds(windows[row.epoch], row.recorded_at)
+        window = observed_seconds(windows[row.peer_key, row.epoch], row.recorded_at)
         if row.peer_key not in known:
             decision = Decision(0, row.samples, NO_TOKEN)
         elif known[row.peer_key][0] in checked:

@@ -13,11 +13,11 @@ from collections.abc import Iterable
 from datetime import datetime
 from typing import Optional
 
-from sqlalchemy import func, select
+from sqlalchemy import func, select, tuple_
 from sqlalchemy.orm import Session
 
 from app.core.clock import as_utc
-from app.models import Run, Snapshot
+from app.models import Contribution, Run, Snapshot
 
 Window = tuple[datetime, Optional[datetime]]
 
@@ -59,6 +59,31 @@ def epoch_windows(session: Session, run: Run, epochs: Iterable[int]) -> dict[int
         before = bisect.bisect_left(earlier, began) if began is not None else len(earlier)
         windows[epoch] = (earlier[before - 1] if before else first[0], ended)
     return windows
+
+
+def claim_windows(session: Session, run: Run, claims: Iterable[tuple[str, int]]) -> dict[tuple[str, int], Window]:
+    """The window each claim, (peer key, epoch), may cover: its epoch's, from the start of the epoch before where its
+    key claimed an earlier epoch but not that one. A peer that fell an epoch behind the swarm trains through both
+    before its step and names its claim by the later (``dedloc_worker.training.optimizer``): held to one epoch's
+    window, such a claim read as twice its peer's rate, and the ceiling cut honest samples. A key's claims still
+    cover each window once, so the ceiling bounds its credit by the time the coordinator saw; a key's first claim
+    covers its own epoch only."""
+    claims = set(claims)
+    if not claims:
+        return {}
+    keys = {key for key, _ in claims}
+    first = dict(session.execute(select(Contribution.peer_key, func.min(Contribution.epoch)).where(
+        Contribution.run_id == run.id, Contribution.peer_key.in_(list(keys))).group_by(Contribution.peer_key)).all())
+    wanted = [(key, epoch - 1) for key, epoch in claims if first.get(key, epoch) < epoch - 1]
+    claimed: set[tuple[str, int]] = set()
+    pairs = select(Contribution.peer_key, Contribution.epoch).where(Contribution.run_id == run.id)
+    for start in range(0, len(wanted), 500):
+        chunk = tuple_(Contribution.peer_key, Contribution.epoch).in_(wanted[start:start + 500])
+        claimed.update((key, epoch) for key, epoch in session.execute(pairs.where(chunk)))
+    spanning = {(key, epoch + 1) for key, epoch in wanted if (key, epoch) not in claimed}
+    windows = epoch_windows(session, run, {epoch for _, epoch in claims} | {epoch - 1 for _, epoch in spanning})
+    return {(key, epoch): (windows[epoch - 1][0], windows[epoch][1]) if (key, epoch) in spanning
+            else windows[epoch] for key, epoch in claims}
 
 
 def observed_seconds(window: Window, recorded_at: datetime) -> float:
