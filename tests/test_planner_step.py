@@ -47,6 +47,7 @@ from app.planner import (
     partition_groups,
     plan_averaging,
     plan_cost,
+    plan_round_seconds,
     plan_step,
     round_seconds,
 )
@@ -227,6 +228,10 @@ def test_plan_cost_of_a_plan_is_its_step_time():
     assert plan_cost(peers, plan, V, options) == pytest.approx(plan.step_seconds, rel=1e-9)
     with pytest.raises(PlanningError, match="every peer"):
         plan_cost(peers + [peer("new", 100)], plan, V, options)
+    # every peer it named has left: nothing to cost, said as a planning error (it was a ValueError)
+    for cost in (functools.partial(plan_cost, options=options), plan_round_seconds):
+        with pytest.raises(PlanningError, match="no peer"):
+            cost([], plan, V)
 
 
 def test_replanner_compares_plans_by_step_time():

@@ -137,6 +137,8 @@ def _costed(peers: Iterable[PeerProfile], plan: Plan, vector_bytes: float, optio
     groups = [[by_id[peer] for peer in group if peer in by_id] for group in named]
     if sum(map(len, groups)) != len(by_id):
         raise PlanningError("the plan does not name every peer present")
+    if not by_id:  # every peer it named left (a soak run's coordinator died of it, fitting a round time)
+        raise PlanningError("no peer the plan names is present")
     swarms = [_Swarm(group, vector_bytes, costs) for group in groups if group]
     shares = []
     for swarm in swarms:
