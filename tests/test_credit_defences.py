@@ -213,7 +213,7 @@ def test_a_claim_after_an_epoch_its_peer_skipped_may_cover_that_epoch_too(sessio
             members = sorted(peer.peer_id for peer in peers)
             sent = {peer: 5000 if epoch == 5 and peer is not ida else 1000 for peer in peers}
             for peer in peers:  # ida aggregates every part and sees each sender's weight as claimed
-                seen = {other.peer_id: float(sent[other]) for other in peers if other is not peer} if peer is ida else {}
+                seen = {other.peer_id: float(sent[other]) for other in peers if other is not peer and peer is ida}
                 confirmations.append(peer.record(claim(epoch, sent[peer], group, {group: seen}, members)))
         credit_epochs(session, run, confirmations)
         window = 3.0 + 1  # epoch 5's window: from the last snapshot at epoch 4 to the first at epoch 6

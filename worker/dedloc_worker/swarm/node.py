@@ -5,6 +5,7 @@ reaching the run's bootstrap peers again. The pitfalls of the optimizer and wher
 from __future__ import annotations
 
 import gc
+import os
 import threading
 import time
 from typing import Callable, List, Optional, Sequence
@@ -22,6 +23,10 @@ class _StaleRequestsDropped:
         self._pipe = pipe
 
     def recv(self):
+        # Blocking, whoever made it otherwise: the DHT's process shares this end's file description with the worker
+        # that forked it, and once read non-blocking, a request still arriving raised EAGAIN halfway, the next read
+        # began mid-message and the DHT process died of it (a soak run's worker, which then hung at Ctrl-C)
+        os.set_blocking(self._pipe.fileno(), True)
         try:
             return self._pipe.recv()
         except (FileNotFoundError, ConnectionRefusedError):  # the sender's descriptor server is gone with it
