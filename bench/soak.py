@@ -7,7 +7,8 @@ then a checker that reads the history (docs/benchmarks.md#soak).
                          [--network emulated|loopback]
 
 The schedule (``schedule``) draws an event every ``EVENT_SECONDS`` on average from the seed, keeping at least
-``MIN_RUNNING`` workers training; the run's founder starts first and the others join once it trains. A sampler
+``MIN_RUNNING`` workers training; the run's founder starts first and the others join once it trains. The founder
+stays to the end (no leave, kill, link drop or ban), so one worker's series spans the run. A sampler
 records each long-lived process tree's RSS, open files and threads every ``SAMPLE_SECONDS``. At the end every worker
 leaves with Ctrl-C, the coordinator settles what they published, and the checker (``check``) reads the database, the
 logs and the sampler's series. A watcher (``watch``) reads the workers' terminal lines as they come, so the longest
@@ -197,12 +198,14 @@ def schedule(seed: int, seconds: float) -> list[tuple[float, str]]:
 def apply(soak: Soak, event: str, rng: random.Random, users: list[str]) -> None:
     idle = [u for u in users if u not in soak.running and u != soak.banned]
     live = [u for u in soak.running if u != soak.banned]
+    # the founder stays the whole run, as an organizer's own machine would: one worker whose RSS spans the run
+    movable = [u for u in live if u != users[0]]
     if event == "join" and idle:
         user = rng.choice(idle)
         soak.start_worker(user)
         soak.note("join", user)
-    elif event in ("leave", "kill") and len(live) > MIN_RUNNING:
-        user = rng.choice(live)
+    elif event in ("leave", "kill") and len(live) > MIN_RUNNING and movable:
+        user = rng.choice(movable)
         soak.stop_worker(user, signal.SIGINT if event == "leave" else signal.SIGKILL)
         soak.note(event, user)
     elif event.startswith("restart-"):  # the coordinator or the portal, down for 5 s
@@ -220,11 +223,11 @@ def apply(soak: Soak, event: str, rng: random.Random, users: list[str]) -> None:
         soak.note("portal up", "long")
         time.sleep(15)  # the holders' next try (10 s) before any overdue event can make one leave
     elif event == "link-drop" and soak.internet is not None:
-        up = [u for u in live if u not in soak.links_down]
+        up = [u for u in movable if u not in soak.links_down]
         if up:
             soak.drop_link(rng.choice(up))
-    elif event == "ban" and live:
-        user = rng.choice(live)
+    elif event == "ban" and movable:
+        user = rng.choice(movable)
         result = soak.cli("ban", "soak", user, "--reason", "soak bench")
         if result.returncode == 0:
             soak.banned, soak.banned_at = user, time.time()
