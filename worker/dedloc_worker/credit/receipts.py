@@ -30,11 +30,14 @@ class ReceiptLog:
         self._offset = 0
         self._members: Dict[str, List[str]] = {}
         self._attested: Dict[str, Dict[str, dict]] = {}
+        self.own_weight: Optional[float] = None  # this peer's weight in the round the last drain returned
 
-    def note_round(self, group: bytes, members: Sequence[str] = ()) -> None:
+    def note_round(self, group: bytes, members: Sequence[str] = (), weight: Optional[float] = None) -> None:
         """This peer joined round ``group``, whose members are ``members`` (PeerIDs, base58, this peer among them),
-        with its own gradients (called in the averager's process)."""
-        self._append({"group": group.hex(), "own": True, "members": [str(member) for member in members]})
+        with its own gradients weighing ``weight`` samples (0: it tagged along, as a peer catching up with the swarm
+        does; called in the averager's process)."""
+        self._append({"group": group.hex(), "own": True, "members": [str(member) for member in members],
+                      "weight": weight})
 
     def note_attestation(self, group: bytes, notes: Dict[str, dict],
                          applied: Optional[Dict[str, float]] = None) -> None:
@@ -65,7 +68,10 @@ class ReceiptLog:
             os.close(descriptor)
 
     def drain(self) -> Tuple[Optional[str], Dict[str, Dict[str, float]]]:
-        """(the last round this peer joined, {group: {sender: weight}}) logged since the last drain."""
+        """(the last round this peer joined, {group: {sender: weight}}) logged since the last drain. A round it joined
+        with weight is preferred to a later one it tagged along in with none: its samples went into the former.
+        ``own_weight`` is then the weight of the round returned (None where the log did not say)."""
+        self.own_weight = None
         if not self.path.exists():
             return None, {}
         with open(self.path, "rb") as file:
@@ -82,10 +88,11 @@ class ReceiptLog:
                 if entry.get("applied"):
                     aggregated.setdefault(entry["group"], {}).update(entry["applied"])
             elif entry.get("own"):
-                own = entry["group"]
-                self._members[own] = entry.get("members", [])
+                self._members[entry["group"]] = entry.get("members", [])
                 while len(self._members) > ROUNDS_REMEMBERED:
                     self._members.pop(next(iter(self._members)))
+                if own is None or entry.get("weight") != 0 or self.own_weight == 0:
+                    own, self.own_weight = entry["group"], entry.get("weight")
         return own, aggregated
 
 
@@ -103,7 +110,8 @@ def note_own_rounds(receipts: ReceiptLog) -> None:
         servicer = kwargs.get("servicer_type")
         # the planned gradient averager, and a local-updates run's outer averager (pseudo-gradient rounds)
         if isinstance(servicer, type) and issubclass(servicer, (GradientAverager, OuterAverager)):
-            receipts.note_round(kwargs["group_id"], [str(peer) for peer in kwargs.get("ordered_peer_ids", ())])
+            receipts.note_round(kwargs["group_id"], [str(peer) for peer in kwargs.get("ordered_peer_ids", ())],
+                                weight=float(self.weight))
 
     __init__.__wrapped__ = original
     AllReduceRunner.__init__ = __init__

@@ -97,6 +97,10 @@ class AccountedOptimizer(hivemind.Optimizer):
     def _take_receipts(self, samples: Optional[int] = None) -> None:
         group, aggregated = self.receipts.drain() if self.receipts is not None else (None, {})
         attested = self.receipts.take_attested() if self.receipts is not None else {}
+        if samples is None and group and self.receipts.own_weight == 0:
+            # it tagged along with weight 0 (caught up with the swarm meanwhile, its gradients dropped): the round
+            # carried none of its samples, so the claim says so (it read as a dispute with the aggregators' 0)
+            samples = 0
         self.rounds_over.append(RoundReceipts(group or "", aggregated, attested, samples, self._sent_bytes(group)))
         self._round_running = False
 
