@@ -509,7 +509,8 @@ def longest_stall(progress: list) -> tuple[float, Optional[float]]:
 def rss_growth(samples: list, began: float, seconds: float) -> dict:
     """Per process tree: the slope of its RSS after the warm-up (least squares), per hour, over its mean RSS there,
     for its longest-lived process after the warm-up (a restarted portal or coordinator starts small again: across a
-    restart the slope is start-up, not a leak); None with fewer than three samples (a worker that came and went).
+    restart the slope is start-up, not a leak); None with fewer than three samples or spanning less than the
+    warm-up (a worker that came and went).
     Each process's own warm-up is left out too (a portal restarted at minute 10 warms up until about 17): fitted
     with it, a restarted portal's start-up read as +42% to +110% an hour."""
     warm_up = WARM_UP_SHARE * seconds
@@ -525,7 +526,9 @@ def rss_growth(samples: list, began: float, seconds: float) -> dict:
             if sampled["at"] >= max(began, started[pid]) + warm_up:
                 instances.setdefault(pid, []).append((sampled["at"], sampled["rss"]))
         points = max(instances.values(), key=len, default=[])
-        if len(points) < 3:
+        # at least three samples over at least a warm-up's length: a process whose fit spanned 2 minutes read its
+        # 7 MB of noise as +16% an hour (seed 9's volunteer4)
+        if len(points) < 3 or points[-1][0] - points[0][0] < warm_up:
             growth[name] = None
             continue
         slope = statistics.linear_regression([t for t, _ in points], [r for _, r in points]).slope

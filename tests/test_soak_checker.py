@@ -36,3 +36,12 @@ def test_the_part_that_grows_is_named():
     by_part = soak.rss_growth_by_part(worker, 0.0, 30 * MINUTE)
     assert by_part["worker a: main"] == 0.0 and by_part["worker a: p2pd"] > 0.5, by_part
     assert "worker a: children" not in by_part  # a part the tree does not have
+
+
+def test_a_fit_over_less_than_a_warm_up_gives_no_figure():
+    # a worker that lived from minute 11 to 21 of 30: three samples past its own warm-up, two minutes apart
+    short = series("worker b", 1, 11 * MINUTE, 11, lambda m: 430 + (m >= 8) * (m - 7) * 3)
+    assert soak.rss_growth(short, 0.0, 30 * MINUTE)["worker b"] is None
+    # the control: the same worker living to the end has a figure
+    whole = series("worker b", 1, 11 * MINUTE, 19, lambda m: 430 + (m >= 8) * (m - 7) * 3)
+    assert soak.rss_growth(whole, 0.0, 30 * MINUTE)["worker b"] > 0.1
