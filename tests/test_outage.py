@@ -95,7 +95,7 @@ def test_two_coordinators_on_one_database_then_none_for_longer_than_records_live
     # (counted, the pause cut it to a thirtieth)
     for name in trainers:
         before, after = (deployment.logs / f"{name}.log").read_text().split("\ntraining resumes\n", 1)
-        rate = lambda text: [int(r.replace(",", "")) for r in re.findall(r"\| ([\d,]+) samples/s here", text)]  # noqa: E731
+        rate = lambda text: [int(r) for r in re.findall(r"\| (\d+) samples/s here", text)]  # noqa: E731
         assert rate(after)[0] > rate(before)[-1] / 3, (name, rate(before)[-3:], rate(after)[:3])
     assert all(deployment.processes[name].poll() is None for name in workers), "a worker ended early"
     for name in workers:  # volunteers leave with Ctrl-C
