@@ -52,6 +52,26 @@ def test_worker_asked_for_a_gpu_it_lacks_says_so_in_one_line():
     assert "--device cuda: this machine has no CUDA GPU" in one_line(done.stderr)
 
 
+@pytest.mark.parametrize("devices", ["all", "0,1"])
+def test_worker_asked_for_gpus_it_lacks_says_what_to_do_in_one_line(devices):
+    done = run("-m", "dedloc_worker", "join", f"http://127.0.0.1:{free_port()}", "--run", "demo", "--devices", devices,
+               env={"CUDA_VISIBLE_DEVICES": ""})
+    assert done.returncode == 2
+    line = one_line(done.stderr)
+    assert f"--devices {devices}: this machine has no CUDA GPU" in line
+    assert "run without --devices to train on the CPU, or install a CUDA build of torch" in line
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--devices", "foo"], "--devices 'foo': use all, or GPU indices separated by commas"),
+    (["--devices", "all", "--device", "cpu"], "--devices trains on GPUs and --device cpu on the CPU"),
+])
+def test_worker_given_devices_it_cannot_use_says_so_in_one_line(args, words):
+    done = run("-m", "dedloc_worker", "join", f"http://127.0.0.1:{free_port()}", "--run", "demo", *args)
+    assert done.returncode == 2
+    assert words in one_line(done.stderr)
+
+
 def test_worker_with_an_unknown_run(portal):
     done = run("-m", "dedloc_worker", "join", portal.url, "--run", "no-such-run")
     assert done.returncode == 2

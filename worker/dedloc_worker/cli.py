@@ -26,7 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
     join = commands.add_parser("join", help="join a run and train until stopped (Ctrl-C leaves cleanly)")
     join.add_argument("portal", help="the portal's address, e.g. https://dedloc.example.org")
     join.add_argument("--run", required=True, help="the run's slug, as shown on its join page")
-    join.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0", help="multiaddr to accept peers on")
+    join.add_argument("--listen", default="/ip4/0.0.0.0/tcp/0",
+                      help="multiaddr to accept peers on (with --devices, a fixed port counts up, one per GPU)")
     role = join.add_mutually_exclusive_group()
     # None (the default): decided at join by the portal's dial-back; --client / --no-client force it.
     role.add_argument("--client", action=argparse.BooleanOptionalAction, default=None,
@@ -36,13 +37,19 @@ def build_parser() -> argparse.ArgumentParser:
                       help="auxiliary peer: train nothing, only aggregate (a CPU machine with a good link)")
     join.add_argument("--max-epochs", type=int, help="leave once the collaboration reaches this epoch")
     join.add_argument("--wait", type=float, default=120.0, help="seconds to wait for the run's coordinator")
-    join.add_argument("--report", type=Path, help="write this worker's contributions here as JSON on exit")
-    join.add_argument("--state-out", type=Path, help="write the final model parameters here (torch.save) on exit")
+    join.add_argument("--report", type=Path, help="write this worker's contributions here as JSON on exit "
+                      "(with --devices, one file per GPU: NAME.gpuN.json)")
+    join.add_argument("--state-out", type=Path, help="write the final model parameters here (torch.save) on exit "
+                      "(with --devices, one file per GPU)")
     join.add_argument("--verbose", action="store_true",
                       help="show hivemind's own messages in full (tracebacks of expected events included)")
     join.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"),
                       help="where to train: a CUDA GPU when there is one (auto), or force one")
-    join.add_argument("--threads", type=int, help="CPU threads for torch (default: this machine's physical cores)")
+    join.add_argument("--devices", metavar="all|0,2,...",
+                      help="train on several GPUs of this machine: every one (all) or those listed, a process and a "
+                           "peer each, all credited to your account")
+    join.add_argument("--threads", type=int, help="CPU threads for torch (default: this machine's physical cores, "
+                      "shared out among --devices' GPUs)")
     return parser
 
 
@@ -51,7 +58,8 @@ def main(argv=None) -> int:
     stop = threading.Event()
 
     def leave(*_) -> None:
-        if not stop.is_set():
+        # A --devices parent only waits for its GPUs' processes, and those print their own threads when stuck.
+        if not stop.is_set() and getattr(args, "devices", None) is None:
             # A worker leaves within seconds; one still here after STUCK_SECONDS prints where each thread is (from a
             # C thread of faulthandler's, which a stuck main thread does not hold up), for a bug report
             faulthandler.dump_traceback_later(STUCK_SECONDS, exit=False)
@@ -75,6 +83,10 @@ def run_and_report(args, stop: threading.Event) -> int:
     from dedloc_worker.errors import RUN_FINISHED
     from dedloc_worker.session import run_join
 
+    if args.devices is not None:
+        from dedloc_worker.launcher import join_on_gpus
+
+        return join_on_gpus(args, stop)
     result = run_join(args, stop)
     write_outputs(args, result)
     print(f"left the swarm at epoch {result.final_epoch}; "
