@@ -25,7 +25,9 @@ def test_the_estimate_is_the_tensors_an_adamw_step_holds(frozen):
     optimizer.step()
     moments = [value for state in optimizer.state.values() for key, value in state.items() if key != "step"]
     measured = allocated(model.parameters()) + allocated(p.grad for p in trained) + allocated(moments)
-    assert estimate(model.parameters(), trained, offload=False) == MemoryNeed(device=measured, host=0)
+    gradients = allocated(p.grad for p in trained)
+    assert estimate(model.parameters(), trained, offload=False) == MemoryNeed(
+        device=measured, host=0, workspace=allocated(trained), gradients=gradients)
     offloaded = estimate(model.parameters(), trained, offload=True)
     assert offloaded.device == allocated(model.parameters()) + allocated(p.grad for p in trained)
     assert offloaded.host == allocated(moments) + 2 * allocated(trained)  # + fp32 master copy and averaged grads

@@ -90,9 +90,15 @@ def _join(args, stop, folder: Path, placement):
     need = memory.estimate(task.model.parameters(), trainable(task.model),
                            offload=config.optimizer.algorithm == "large-batch")
     memory.check_fits(need, placement.device)
-    print(f"memory: this run's model needs {need.describe()}", flush=True)
     if isinstance(task, Placeable):
         task.to(placement.device, placement.amp)
+    micro_batch = None
+    if not args.aux:  # an auxiliary peer computes nothing: its model's memory is all it needs
+        micro_batch, activations = memory.choose_micro_batch(task, need, config.batch_size, placement.device)
+        line = memory.describe(need, activations, micro_batch, config.batch_size, placement.device)
+        print(f"memory: {line}", flush=True)
+    else:
+        print(f"memory: this run's model needs {need.describe()}", flush=True)
     info = grant.join if grant.join.initial_peers else wait_for_peers(args.portal, args.run, args.wait)
     if time.monotonic() - granted_at > grant.lifetime_seconds / 2:  # a long wait for a coordinator: a fresh token
         grant = refresh()
@@ -154,7 +160,8 @@ def _join(args, stop, folder: Path, placement):
             result = train(dht, config, task, username, stop, signature, args.max_epochs, client_mode,
                            display.update, receipts, follower, args.aux, hardware=placement.description,
                            watch=watch, resume=resume, reachability=reachability, admitted_at=admitted_at,
-                           outbox=outbox, expired=keeper.expired)
+                           outbox=outbox, expired=keeper.expired,
+                           micro_batch=micro_batch if micro_batch != config.batch_size else None)
         if keeper.failure:
             raise AdmissionError(keeper.failure)
         result.username, result.peer_id = username, identity.peer_id

@@ -95,6 +95,7 @@ def train(
     admitted_at: float = 0.0,
     outbox=None,
     expired: Optional[threading.Event] = None,
+    micro_batch: Optional[int] = None,
 ) -> TrainingResult:
     """Train until ``stop`` is set or the collaboration reaches ``max_epochs``; always leaves the swarm.
 
@@ -109,6 +110,8 @@ def train(
       loop's recent claims alone)
     :param reachability: how this peer's mode was decided (``contract.REACHABILITY``), for its metrics record
     :param admitted_at: ``time.monotonic()`` from which peers know this peer's token: no call to them before it
+    :param micro_batch: samples per forward and backward, where fewer than ``config.batch_size`` fit this device
+      (``mini_step``)
     :param expired: set while this peer's token has expired and cannot be renewed (``admission.keeper``): peers
       refuse it, so it trains nothing meanwhile
     :returns: this peer's contributions (samples per epoch it took part in) and its final parameters
@@ -167,7 +170,7 @@ def train(
                 if aux:
                     opt.step()  # joins the round when the swarm is ready for one
                     stop.wait(AUX_POLL)
-                elif not mini_step(task, config, opt, tally, scaler):
+                elif not mini_step(task, config, opt, tally, scaler, micro_batch):
                     print(f"float16 gradients overflowed: this epoch's gradients are dropped, the loss scale is now "
                           f"{scaler.get_scale():g}", flush=True)
                     tally = open_epoch(task, config, peer_key, opt.local_epoch)  # redraws the epoch's batches
@@ -247,25 +250,33 @@ def grad_scaler(task):
     return GradScaler()
 
 
-def mini_step(task, config: RunConfig, opt, tally: EpochTally, scaler=None) -> bool:
+def mini_step(task, config: RunConfig, opt, tally: EpochTally, scaler=None, micro_batch: Optional[int] = None) -> bool:
     """One local mini-batch: forward, backward, and hand the gradients to the collaborative optimizer. False when
     float16 gradients overflowed: hivemind then drops every gradient accumulated in the epoch, and the caller starts
-    the epoch's tally again (the rejected mini-steps are neither counted nor sketched)."""
+    the epoch's tally again (the rejected mini-steps are neither counted nor sketched).
+
+    :param micro_batch: samples per forward and backward where the run's mini-batch does not fit this device at once
+      (``memory.choose_micro_batch``; it divides ``config.batch_size``): the mini-batch's gradient is accumulated from
+      its micro-batches, each loss scaled by their count, so the step and its sketch are the mini-batch's."""
     began = time.perf_counter()
+    parts = config.batch_size // micro_batch if micro_batch else 1
     try:
-        loss = task.batch_loss(config.batch_size)
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+        value = 0.0
+        for _ in range(parts):
+            loss = task.batch_loss(config.batch_size // parts) / parts
+            (scaler.scale(loss) if scaler is not None else loss).backward()
+            value += loss.item()
         tally.compute_seconds += time.perf_counter() - began
     except WorkerError:
         raise
     except Exception as e:  # a task is a plugin: say which one failed, in one line
         raise TrainingError(f"task {config.task!r} failed: {type(e).__name__}: {e}") from e
-    if not math.isfinite(loss.item()):
-        raise TrainingError(f"the loss became {loss.item()}; the task or its learning rate is unstable")
+    if not math.isfinite(value):
+        raise TrainingError(f"the loss became {value}; the task or its learning rate is unstable")
     # a large-batch step checks this itself and resets the epoch's gradients (local updates skip the step)
     finite = scaler is None or scaler.are_grads_finite(opt)
     if finite:
-        tally.loss_sum += loss.item()
+        tally.loss_sum += value
         tally.mini_steps += 1
     if config.optimizer.clip_grad_norm:
         # Scaled gradients scale their norm alike: clipping at the scaled bound clips the true gradient at the bound.
