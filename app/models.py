@@ -255,6 +255,8 @@ class Peer(Base):
     hardware: Mapped[str] = mapped_column(String(200), default="")
     # What the peer's metrics record says of it: contract.REACHABILITY ("" when not reported).
     reachability: Mapped[str] = mapped_column(String(20), default="", server_default="")
+    # What the run needs in memory on its device, as its metrics record says (contract.MemoryReport); None: not said.
+    memory: Mapped[Optional[dict]] = mapped_column(JSON, nullable=True)
     first_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
     last_seen: Mapped[datetime] = mapped_column(DateTime(timezone=True), default=utcnow)
 

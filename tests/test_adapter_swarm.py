@@ -87,6 +87,10 @@ def test_two_workers_train_an_adapter_and_only_the_adapter_travels(deployment, a
     losses = [c["loss_sum"] / c["mini_steps"] for c in reports["alice"]["contributions"] if c["mini_steps"]]
     assert min(losses[-2:]) < losses[0] - 0.03, losses
 
+    # The join page shows what the run needs in memory, as the workers measured it before joining.
+    page = httpx.get(f"{deployment.url}/runs/{deployment.slug}/join").raise_for_status().text
+    assert 'id="memory-needs"' in page and "a CPU (float32)" in page and "at 16 samples" in page, page
+
     # The checkpoint: the adapter on its base, and the merged model alone.
     stored = wait_for(lambda: httpx.get(f"{deployment.url}/api/v1/runs/{deployment.slug}/checkpoints").json(), 60,
                       "a checkpoint")

@@ -142,3 +142,33 @@ def test_the_join_page_says_how_reachability_is_decided(client):
 def test_status_of_an_unknown_run_is_a_404(client):
     response = client.get("/api/v1/runs/nope/status")
     assert response.status_code == 404 and "nope" in response.text
+
+
+def test_the_join_page_shows_what_the_run_needs_in_memory_as_its_workers_measured_it(client, sessions):
+    """Each worker's metrics record carries what it measured before joining (contract.MemoryReport); the coordinator
+    keeps it per peer and the join page shows the newest per kind of device. Before any report, it says so."""
+    from dedloc_common.contract import MemoryReport, MetricsRecord
+
+    from app.credit.ledger import SignedMetrics
+    from app.credit.settlement import record_peers
+
+    assert 'id="memory-needs-none"' in client.get("/runs/demo/join").text  # no report yet: nothing claimed
+    gib, mib = 1024**3, 1024**2
+    reports = {
+        "a" * 64: MemoryReport(device="cuda", precision="bfloat16", model_bytes=3 * gib, fixed_bytes=0,
+                               per_sample_bytes=40 * mib, peak_bytes=int(3.5 * gib), micro_batch=8),
+        "b" * 64: MemoryReport(device="cpu", model_bytes=gib, host_bytes=2 * gib, per_sample_bytes=80 * mib,
+                               peak_bytes=int(1.25 * gib), micro_batch=4),
+        "c" * 64: None,  # an auxiliary peer, or an older worker: no report
+    }
+    with sessions() as session:
+        run = registry.get_run(session, "demo")
+        record_peers(session, run, [SignedMetrics(key, MetricsRecord(
+            username="alice", epoch=1, samples_per_second=1.0, time=0.0, recent=[], memory=memory))
+            for key, memory in reports.items()], {})
+        session.commit()
+    page = client.get("/runs/demo/join").text
+    assert 'id="memory-needs"' in page and 'id="memory-needs-none"' not in page
+    rows = re.findall(r"<tr><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td><td>(.*?)</td>\s*<td>(.*?)</td>", page)
+    assert rows == [("a GPU (bfloat16)", "3.00 GiB", "40.0 MiB", "3.50 GiB at 8 samples", "none"),
+                    ("a CPU (float32)", "1.00 GiB", "80.0 MiB", "1.25 GiB at 4 samples", "2.00 GiB of RAM")]

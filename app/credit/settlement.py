@@ -320,3 +320,5 @@ def record_peers(session: Session, run: Run, seen: Sequence[SignedMetrics], know
         row.hardware, row.last_seen = item.record.hardware[:200], now
         if item.record.reachability in REACHABILITY:
             row.reachability = item.record.reachability
+        if item.record.memory is not None:
+            row.memory = item.record.memory.dict()

@@ -7,6 +7,7 @@ from fastapi.responses import FileResponse, HTMLResponse, Response
 
 from app.credit import volunteers
 from app.runs import distribution
+from app.runs.memory import measured_needs
 from app.web.deps import RunDep, SessionDep
 from app.web.identity import OptionalUser
 
@@ -23,7 +24,8 @@ def join_page(request: Request, run: RunDep, user: OptionalUser, session: Sessio
     # The signed-in volunteer's own peers in this run: how the dial-back decided each one's mode.
     peers = [p for p in volunteers.own_peers(session, user.username) if p.run == run.slug] if user else []
     return request.app.state.templates.TemplateResponse(request, "join.html", {
-        "run": run, "user": user, "peers": peers,
+        "run": run, "user": user, "peers": peers, "needs": measured_needs(session, run),
+        "adapter": bool((run.task_options or {}).get("adapter")),
         "install_line": distribution.install_line(url), "join_line": distribution.join_line(url, run.slug),
     })
 

@@ -324,6 +324,20 @@ class LinkReport(pydantic_v1.BaseModel):
     round_ended: StrictNonNegativeFloat = 0.0
 
 
+class MemoryReport(pydantic_v1.BaseModel):
+    """What a run needs in memory on the device a worker trains on, as the worker measured it before joining
+    (``dedloc_worker.training.memory``); the join page shows the newest per kind of device."""
+
+    device: pydantic_v1.StrictStr  # "cuda" or "cpu"
+    precision: pydantic_v1.StrictStr = "float32"  # the autocast dtype it trains in
+    model_bytes: StrictNonNegativeInt  # parameters, gradients and optimizer state held on the device
+    host_bytes: StrictNonNegativeInt = 0  # RAM besides: the offloaded optimizer's state
+    fixed_bytes: StrictNonNegativeInt = 0  # a mini-step's activations whatever its size ...
+    per_sample_bytes: StrictNonNegativeInt = 0  # ... and more for each sample in it
+    peak_bytes: StrictNonNegativeInt = 0  # the device's peak at the micro-batch this worker trains at
+    micro_batch: StrictNonNegativeInt = 0
+
+
 class MetricsRecord(pydantic_v1.BaseModel):
     """A worker's signed metrics record; the DHT subkey is the worker's public key."""
 
@@ -340,6 +354,7 @@ class MetricsRecord(pydantic_v1.BaseModel):
     link: Optional[LinkReport] = None
     # How the peer's mode was decided (one of REACHABILITY), "" when not reported.
     reachability: pydantic_v1.StrictStr = ""
+    memory: Optional[MemoryReport] = None  # None: an auxiliary peer, or a worker before this field
 
 
 # A worker's own account of its reachability: the coordinator's dial-back reached it (a full peer), or did not

@@ -92,11 +92,12 @@ def _join(args, stop, folder: Path, placement):
     memory.check_fits(need, placement.device)
     if isinstance(task, Placeable):
         task.to(placement.device, placement.amp)
-    micro_batch = None
+    micro_batch = report = None
     if not args.aux:  # an auxiliary peer computes nothing: its model's memory is all it needs
         micro_batch, activations = memory.choose_micro_batch(task, need, config.batch_size, placement.device)
         line = memory.describe(need, activations, micro_batch, config.batch_size, placement.device)
         print(f"memory: {line}", flush=True)
+        report = memory.report(need, activations, micro_batch, placement.device, placement.amp)
     else:
         print(f"memory: this run's model needs {need.describe()}", flush=True)
     info = grant.join if grant.join.initial_peers else wait_for_peers(args.portal, args.run, args.wait)
@@ -161,7 +162,7 @@ def _join(args, stop, folder: Path, placement):
                            display.update, receipts, follower, args.aux, hardware=placement.description,
                            watch=watch, resume=resume, reachability=reachability, admitted_at=admitted_at,
                            outbox=outbox, expired=keeper.expired,
-                           micro_batch=micro_batch if micro_batch != config.batch_size else None)
+                           micro_batch=micro_batch if micro_batch != config.batch_size else None, memory=report)
         if keeper.failure:
             raise AdmissionError(keeper.failure)
         result.username, result.peer_id = username, identity.peer_id

@@ -15,6 +15,7 @@ from dedloc_common.contract import (
     RECENT_EPOCHS_KEPT,
     EpochContribution,
     LinkReport,
+    MemoryReport,
     MetricsRecord,
     RunConfig,
     mean_loss,
@@ -96,6 +97,7 @@ def train(
     outbox=None,
     expired: Optional[threading.Event] = None,
     micro_batch: Optional[int] = None,
+    memory: Optional[MemoryReport] = None,
 ) -> TrainingResult:
     """Train until ``stop`` is set or the collaboration reaches ``max_epochs``; always leaves the swarm.
 
@@ -112,6 +114,7 @@ def train(
     :param admitted_at: ``time.monotonic()`` from which peers know this peer's token: no call to them before it
     :param micro_batch: samples per forward and backward, where fewer than ``config.batch_size`` fit this device
       (``mini_step``)
+    :param memory: what this run needs in memory on this peer's device, for its metrics record (the join page)
     :param expired: set while this peer's token has expired and cannot be renewed (``admission.keeper``): peers
       refuse it, so it trains nothing meanwhile
     :returns: this peer's contributions (samples per epoch it took part in) and its final parameters
@@ -136,7 +139,7 @@ def train(
                                  interval=min(METRICS_INTERVAL, config.optimizer.metadata_expiration / 3))
 
     def publish() -> None:  # the record as things stand: the claims settled so far and the newest link report
-        publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability))
+        publisher.submit(metrics_record(username, opt, contributions, addrs, hardware, link, reachability, memory))
 
     try:
         # The first record goes out now, not after the first epoch: with the link measured at join in it, the
@@ -328,7 +331,8 @@ def describe_hardware() -> str:
 
 
 def metrics_record(username: str, opt, contributions, addrs: List[str], hardware: str = "",
-                   link: Optional[LinkReport] = None, reachability: str = "") -> MetricsRecord:
+                   link: Optional[LinkReport] = None, reachability: str = "",
+                   memory: Optional[MemoryReport] = None) -> MetricsRecord:
     from hivemind.utils import get_dht_time
 
     ema = opt.tracker.performance_ema
@@ -343,6 +347,7 @@ def metrics_record(username: str, opt, contributions, addrs: List[str], hardware
         hardware=hardware,
         link=link,
         reachability=reachability,
+        memory=memory,
     )
 
 

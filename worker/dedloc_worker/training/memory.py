@@ -186,8 +186,8 @@ def choose_micro_batch(task, need: MemoryNeed, batch_size: int, device: str,
     if micro_batch is None:
         one = peak(need, activations, 1)
         where = "on the GPU" if device == "cuda" else "of RAM"
-        raise ResourceError(f"this run needs {one / GIB:.2f} GiB {where} at one sample per micro-batch and "
-                            f"{free / GIB:.2f} GiB are free: use a larger GPU, --device cpu, or ask the organizers "
+        raise ResourceError(f"this run needs {size(one)} {where} at one sample per micro-batch and "
+                            f"{size(free)} are free: use a larger GPU, --device cpu, or ask the organizers "
                             "for an adapter run")
     return micro_batch, activations
 
@@ -195,12 +195,25 @@ def choose_micro_batch(task, need: MemoryNeed, batch_size: int, device: str,
 def describe(need: MemoryNeed, activations: Activations, micro_batch: int, batch_size: int, device: str) -> str:
     """The worker's memory line: what training needs at its micro-batch, and how it reaches the run's mini-batch."""
     where = "on the GPU" if device == "cuda" else "of RAM"
-    line = (f"this run needs {peak(need, activations, micro_batch) / GIB:.2f} GiB {where} at {micro_batch} "
-            f"sample{'s' if micro_batch != 1 else ''} per micro-batch ({need.device / GIB:.2f} GiB for the model, "
-            f"{activations.per_sample / MIB:.1f} MiB more per sample)")
+    line = (f"this run needs {size(peak(need, activations, micro_batch))} {where} at {micro_batch} "
+            f"sample{'s' if micro_batch != 1 else ''} per micro-batch ({size(need.device)} for the model, "
+            f"{size(activations.per_sample)} more per sample)")
     if need.host:
-        line += f", and {need.host / GIB:.2f} GiB of RAM for the offloaded optimizer"
+        line += f", and {size(need.host)} of RAM for the offloaded optimizer"
     if micro_batch < batch_size:
         line += (f"; the run's {batch_size} samples per mini-step do not fit at once: {batch_size // micro_batch} "
                  f"micro-batches of {micro_batch}, accumulated")
     return line
+
+
+def size(count: int) -> str:
+    return f"{count / GIB:.2f} GiB" if count >= GIB else f"{count / MIB:.1f} MiB"
+
+
+def report(need: MemoryNeed, activations: Activations, micro_batch: int, device: str, precision: Optional[str]):
+    """The figures a worker's metrics record carries (``contract.MemoryReport``)."""
+    from dedloc_common.contract import MemoryReport
+
+    return MemoryReport(device=device, precision=precision or "float32", model_bytes=need.device,
+                        host_bytes=need.host, fixed_bytes=activations.fixed, per_sample_bytes=activations.per_sample,
+                        peak_bytes=peak(need, activations, micro_batch), micro_batch=micro_batch)
