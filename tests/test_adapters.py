@@ -4,6 +4,8 @@ trained, and checkpoints that load with ``PeftModel.from_pretrained`` on the bas
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 from dedloc_common.tasks import TaskOptionError, validate_task
@@ -96,6 +98,7 @@ def test_an_adapter_on_modules_the_model_lacks_is_one_clear_error(adapter_run):
     ({"dropout": 1.0}, "task_options.adapter.dropout"),
     ({"target_modules": []}, "task_options.adapter.target_modules"),
     ({"kind": "ia3"}, "task_options.adapter.kind"),
+    ({"base_bits": 3}, "task_options.adapter.base_bits"),
 ])
 def test_bad_adapter_options_name_the_option(adapter, named):
     with pytest.raises(TaskOptionError, match=named.replace(".", r"\.")):
@@ -118,3 +121,67 @@ def test_gradient_checkpointing_gives_the_same_gradients(adapter_run, adapter):
         task.batch_loss(8).backward()
         grads.append([p.grad.clone() for p in trainable(task.model)])
     assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(*grads))
+
+
+def test_a_4_bit_base_holds_a_fraction_of_the_memory_and_its_adapter_trains_and_exports_at_full_precision(
+        adapter_run, tmp_path):
+    """QLoRA's recipe (bitsandbytes' NF4 base, runs on this CPU too): the frozen base is stored in 4 bits, the adapter
+    trains on it, its checkpoint loads on the quantized base, and the merged export is the base as stored with the
+    adapter merged in, loadable by ``from_pretrained`` alone (no bitsandbytes, no quantization settings)."""
+    from bitsandbytes.nn import Linear4bit
+    from dedloc_worker.tasks.adapters import MERGED_FOLDER, trainable
+    from dedloc_worker.tasks.hf import CausalLM
+    from dedloc_worker.training import memory
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    options, paths = adapter_run
+    plain = CausalLM(options, seed=7, files=paths)
+    quantized_options = {**options, "adapter": {**options["adapter"], "base_bits": 4}}
+    task = CausalLM(quantized_options, seed=7, files=paths, data_seed=1)
+    layers = [m for m in task.model.modules() if isinstance(m, Linear4bit)]
+    assert layers and all(not p.requires_grad for m in layers for p in m.parameters())
+    assert all("lora_" in name for name, p in task.model.named_parameters() if p.requires_grad)
+    linear = sum(m.weight.numel() * m.weight.element_size() for m in plain.model.modules()
+                 if isinstance(m, torch.nn.Linear) and "lora_" not in str(m) and m.weight.shape[0] != 1000)
+    four_bit = sum(m.weight.numel() * m.weight.element_size() for m in layers)
+    assert 0 < four_bit <= linear / 7  # 4 of 32 bits (the layers' quantization constants are kept beside)
+    need = memory.estimate(task.model.parameters(), trainable(task.model), offload=False)
+    assert need.device < memory.estimate(plain.model.parameters(), trainable(plain.model), offload=False).device
+
+    before = task.evaluate()
+    optimizer = torch.optim.AdamW(trainable(task.model), lr=1e-2)
+    for _ in range(40):
+        task.batch_loss(16).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = task.evaluate()
+    assert after < before - 0.05, (before, after)
+
+    task.save(tmp_path / "checkpoint")
+    on_quantized = CausalLM(quantized_options, seed=7, files=paths)  # the quantized base, as a peer builds it
+    on_quantized.model = PeftModel.from_pretrained(on_quantized.model.unload(), tmp_path / "checkpoint")
+    assert abs(on_quantized.evaluate() - after) < 1e-4
+    merged = CausalLM({**options, "adapter": None}, seed=99, files=paths)
+    merged.model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint" / MERGED_FOLDER)
+    assert not any(isinstance(m, Linear4bit) for m in merged.model.modules())
+    assert getattr(merged.model.config, "quantization_config", None) is None
+    assert abs(merged.evaluate() - after) < 0.1 * (before - after)  # the base's 4-bit rounding undone: near, not equal
+
+
+def test_without_bitsandbytes_a_quantized_run_is_one_line_that_says_what_to_install(adapter_run, monkeypatch):
+    from dedloc_common.contract import OptimizerOptions
+    from dedloc_worker.errors import ConfigError
+    from dedloc_worker.tasks.hf import CausalLM
+    from dedloc_worker.training.options import inner_optimizer
+
+    options, paths = adapter_run
+    inner_optimizer(OptimizerOptions(name="adamw-8bit"))  # control: with it installed, both load
+    CausalLM({**options, "adapter": {**options["adapter"], "base_bits": 8}}, seed=7, files=paths)
+    monkeypatch.setitem(sys.modules, "bitsandbytes", None)  # as on a machine without the extra: the import fails
+    for build in (lambda: inner_optimizer(OptimizerOptions(name="adamw-8bit")),
+                  lambda: CausalLM({**options, "adapter": {**options["adapter"], "base_bits": 4}}, seed=7,
+                                   files=paths)):
+        with pytest.raises(ConfigError) as refused:
+            build()
+        assert "\n" not in str(refused.value) and "pip install 'dedloc-worker[quantization]'" in str(refused.value)

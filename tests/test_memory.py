@@ -42,3 +42,21 @@ def test_a_model_that_cannot_fit_is_one_line_that_says_what_would():
     assert "--device cpu" in str(refused.value) and refused.value.exit_code == 8
     with pytest.raises(ResourceError, match="needs 7.00 GiB of RAM"):
         check_fits(need, "cpu", host_free=4 * GIB)
+
+
+def test_8_bit_moments_are_counted_as_the_bytes_bitsandbytes_keeps():
+    """optimizer "adamw-8bit": each moment is 1 byte a parameter, with its blocks' scales and code table; a tensor
+    too small to gain (a bias here) keeps float32 moments."""
+    import bitsandbytes as bnb
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.ReLU(), torch.nn.Linear(512, 256))
+    optimizer = bnb.optim.AdamW8bit(model.parameters())
+    model(torch.randn(4, 256)).sum().backward()
+    optimizer.step()
+    held = allocated(value for state in optimizer.state.values() for value in state.values()
+                     if isinstance(value, torch.Tensor) and value.numel() > 1)
+    need, full = (estimate(model.parameters(), list(model.parameters()), offload=False, moment_bytes=n) for n in (1, 4))
+    counted = need.device - allocated(model.parameters()) - need.gradients
+    assert counted == held
+    assert full.device - need.device > 5.8 * sum(p.numel() for p in model.parameters())  # 2 moments, ~3 bytes saved

@@ -78,7 +78,8 @@ class OptimizerOptions(BaseModel):
     """How the swarm optimizes and averages. Times are seconds. The defaults suit peers across the internet (after
     hivemind's examples); loopback swarms (the demo, the tests) set shorter times themselves."""
 
-    name: Literal["adam", "adamw", "lamb"] = Field("adamw", description="lamb: pytorch_optimizer's LAMB")
+    name: Literal["adam", "adamw", "adamw-8bit", "lamb"] = Field(
+        "adamw", description="lamb: pytorch_optimizer's LAMB; adamw-8bit: bitsandbytes' AdamW with 8-bit moments")
     lr: float = Field(3e-3, gt=0)
     weight_decay: float = Field(0.0, ge=0)
     # The learning rate rises linearly over warmup_epochs, then falls linearly to 0 over decay_epochs (if given).

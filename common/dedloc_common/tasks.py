@@ -87,6 +87,8 @@ class AdapterOptions(Strict):
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="lora_dropout")
     target_modules: Optional[List[Annotated[str, StringConstraints(min_length=1, max_length=200)]]] = Field(
         None, min_length=1, description="module names to adapt; none: peft's default for the model type")
+    base_bits: Optional[Literal[4, 8]] = Field(None, description="hold the frozen base quantized with bitsandbytes: "
+                                               "4 (NF4, as QLoRA) or 8 bits; none: as its weights are stored")
 
 
 class ModelTaskOptions(Strict):

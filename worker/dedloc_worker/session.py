@@ -88,7 +88,8 @@ def _join(args, stop, folder: Path, placement):
     task = build_task(config, files, data_seed=int(identity.peer_id.encode().hex()[-8:], 16))
     # before the model moves to the GPU: a run that cannot fit is one line, not an out-of-memory traceback
     need = memory.estimate(task.model.parameters(), trainable(task.model),
-                           offload=config.optimizer.algorithm == "large-batch")
+                           offload=config.optimizer.algorithm == "large-batch",
+                           moment_bytes=1 if config.optimizer.name == "adamw-8bit" else 4)
     memory.check_fits(need, placement.device)
     if isinstance(task, Placeable):
         task.to(placement.device, placement.amp)

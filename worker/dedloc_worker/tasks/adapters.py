@@ -11,7 +11,7 @@ from __future__ import annotations
 import copy
 import warnings
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 import torch
 
@@ -33,6 +33,10 @@ def apply_adapter(model: torch.nn.Module, options: dict, seed: int) -> torch.nn.
     transposed = any(isinstance(module, Conv1D) for module in model.modules())
     config = LoraConfig(r=options["rank"], lora_alpha=options["alpha"], lora_dropout=options["dropout"],
                         target_modules=options.get("target_modules"), fan_in_fan_out=transposed)
+    if getattr(model, "is_quantized", False):  # a bitsandbytes base: its norms in float32, inputs that carry grads
+        from peft import prepare_model_for_kbit_training
+
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     torch.manual_seed(seed)
     try:
         with warnings.catch_warnings():  # peft 0.21 calls an API transformers 5 deprecates: nothing to act on here
@@ -49,10 +53,17 @@ def trainable(model: torch.nn.Module) -> List[torch.nn.Parameter]:
     return [p for p in model.parameters() if p.requires_grad]
 
 
-def save_adapter(model: torch.nn.Module, folder: Path) -> None:
+def save_adapter(model: torch.nn.Module, folder: Path, unquantized_base: Optional[torch.nn.Module] = None) -> None:
     """The adapter (``PeftModel.from_pretrained(base, folder)``) and, in ``folder/merged``, the base with the adapter
-    merged in (``from_pretrained`` alone). Merging works on a copy: the model keeps training."""
+    merged in (``from_pretrained`` alone). Merging works on a copy: the model keeps training. A quantized base's
+    adapter is merged into ``unquantized_base``, the base as stored, as QLoRA's adapters are: the export then needs
+    neither bitsandbytes nor the quantized weights' rounding."""
     # the base's embeddings are the base's, unchanged (an adapter on an output layer saves its low-rank update only)
     model.save_pretrained(folder, safe_serialization=True, save_embedding_layers=False)
-    merged = copy.deepcopy(model).merge_and_unload()
+    if unquantized_base is None:
+        merged = copy.deepcopy(model).merge_and_unload()
+    else:
+        from peft import PeftModel
+
+        merged = PeftModel.from_pretrained(unquantized_base, folder).merge_and_unload()
     merged.save_pretrained(Path(folder) / MERGED_FOLDER, safe_serialization=True)

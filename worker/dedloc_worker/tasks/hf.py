@@ -40,6 +40,8 @@ class HFTask:
         self._tables: dict = {}
         self.device = torch.device("cpu")
         self.autocast: Optional[torch.dtype] = None
+        # an adapter run's base quantized by bitsandbytes (4 or 8 bits), or as stored (None)
+        self.base_bits: Optional[int] = (self.options.get("adapter") or {}).get("base_bits")
         self.model = self.build_model(seed)
         if self.options.get("gradient_checkpointing"):
             if not self.model.supports_gradient_checkpointing:
@@ -58,6 +60,14 @@ class HFTask:
         self.autocast = getattr(torch, amp) if amp else None
         self.model.to(self.device)
         return self
+
+    def unquantized_base(self):
+        """The base as its weights are stored, not quantized: what a quantized run's merged export is merged into."""
+        bits, self.base_bits = self.base_bits, None
+        try:
+            return self.build_model(self.seed)
+        finally:
+            self.base_bits = bits
 
     @property
     def reseedable(self) -> bool:
@@ -110,7 +120,7 @@ class HFTask:
         if self.options.get("adapter"):
             from dedloc_worker.tasks.adapters import save_adapter
 
-            save_adapter(self.model, folder)
+            save_adapter(self.model, folder, self.unquantized_base() if self.base_bits else None)
         else:
             self.model.save_pretrained(folder, safe_serialization=True)
         if getattr(self, "tokenizer", None) is not None:
@@ -165,7 +175,7 @@ class TextTask(HFTask):
             if token is not None:
                 config.setdefault(name, self.tokenizer.convert_tokens_to_ids(token))
         self.train_stream = None  # created on first use: loading data is the slow part of a join
-        return build(self.auto_class(transformers), config, self.options.get("pretrained"), seed)
+        return build(self.auto_class(transformers), config, self.options.get("pretrained"), seed, self.base_bits)
 
     def batch_loss(self, batch_size: int) -> torch.Tensor:
         if self.train_stream is None:
@@ -264,7 +274,8 @@ class ImageClassification(HFTask):
         config = dict(self.options["model"])
         config.setdefault("image_size", self.options["image_size"])
         self.train_stream = None
-        return build(transformers.AutoModelForImageClassification, config, self.options.get("pretrained"), seed)
+        return build(transformers.AutoModelForImageClassification, config, self.options.get("pretrained"), seed,
+                     self.base_bits)
 
     def batch_loss(self, batch_size: int) -> torch.Tensor:
         if self.train_stream is None:
@@ -301,12 +312,16 @@ def quiet() -> None:
     transformers.utils.logging.disable_progress_bar()
 
 
-def build(auto_class, config: dict, pretrained: Optional[str], seed: int):
-    """The model from ``pretrained`` weights, or initialised from ``seed`` (the same on every peer)."""
+def build(auto_class, config: dict, pretrained: Optional[str], seed: int, bits: Optional[int] = None):
+    """The model from ``pretrained`` weights, or initialised from ``seed`` (the same on every peer); with ``bits``, its
+    linear layers quantized by bitsandbytes (an adapter run's frozen base)."""
     import transformers
 
     if pretrained:
-        return auto_class.from_pretrained(pretrained, **{k: v for k, v in config.items() if k != "model_type"})
+        overrides = {k: v for k, v in config.items() if k != "model_type"}
+        if bits:
+            overrides["quantization_config"] = quantization(bits)
+        return auto_class.from_pretrained(pretrained, **overrides)
     options = dict(config)
     try:
         model_config = transformers.AutoConfig.for_model(options.pop("model_type"), **options)
@@ -314,7 +329,27 @@ def build(auto_class, config: dict, pretrained: Optional[str], seed: int):
         raise ConfigError(f"task_options.model: transformers cannot build this config ({e})") from None
     torch.manual_seed(seed)
     random.seed(seed)
-    return auto_class.from_config(model_config)
+    model = auto_class.from_config(model_config)
+    if not bits:
+        return model
+    import tempfile
+
+    # transformers quantizes while it loads weights: the seeded ones go through a folder
+    with tempfile.TemporaryDirectory(prefix="dedloc-base-") as folder:
+        model.save_pretrained(folder, safe_serialization=True)
+        return auto_class.from_pretrained(folder, quantization_config=quantization(bits))
+
+
+def quantization(bits: int):
+    """transformers' bitsandbytes settings for a frozen base: NF4 with double quantization (QLoRA's), or 8 bits."""
+    from transformers import BitsAndBytesConfig
+
+    from dedloc_worker.training.options import quantization_library
+
+    quantization_library(f"{bits}-bit base")
+    if bits == 4:
+        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)
+    return BitsAndBytesConfig(load_in_8bit=True)
 
 
 def _builder(name: str) -> str:

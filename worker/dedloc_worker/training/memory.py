@@ -27,12 +27,21 @@ from torch.utils._pytree import tree_leaves
 from dedloc_worker.errors import ResourceError
 
 MOMENTS = 2  # float32 tensors per trained parameter in Adam, AdamW and LAMB
+BNB_MIN_8BIT, BNB_BLOCK = 4096, 256  # bitsandbytes' 8-bit optimizers: min_8bit_size and the blockwise block
 GIB = 1024**3
 MIB = 1024**2
 PROBE_SAMPLES = (1, 4)  # the micro-batches a probe runs: far enough apart that the line's slope is not noise
 # The optimizer's step allocates temporaries of the trained parameters' size (torch's foreach Adam), on the device
 # unless hivemind offloads it: one float32 copy, as measured in docs/memory.md.
 STEP_WORKSPACE = 1
+
+
+def moment_size(count: int, moment_bytes: int) -> int:
+    """Bytes of one optimizer moment of a tensor of ``count`` elements. bitsandbytes' 8-bit moments add a float32
+    scale per block and a code table per tensor, and keep tensors too small to gain in float32."""
+    if moment_bytes != 1 or count < BNB_MIN_8BIT:
+        return 4 * count
+    return count + 4 * -(-count // BNB_BLOCK) + 4 * 256
 
 
 @dataclass(frozen=True)
@@ -61,14 +70,15 @@ class MemoryNeed:
 
 
 def estimate(parameters: Iterable[torch.nn.Parameter], trained: Iterable[torch.nn.Parameter],
-             offload: bool) -> MemoryNeed:
+             offload: bool, moment_bytes: int = 4) -> MemoryNeed:
     """The memory of a model's ``parameters`` of which ``trained`` are trained (the rest frozen: an adapter run's
-    base), with the optimizer offloaded to the host or not."""
+    base), with the optimizer offloaded to the host or not; ``moment_bytes`` per moment and parameter (1: bitsandbytes'
+    8-bit moments)."""
     stored = sum(p.numel() * p.element_size() for p in parameters)
     trained = list(trained)
     gradients = sum(p.numel() * p.element_size() for p in trained)
     count = sum(p.numel() for p in trained)
-    moments = MOMENTS * 4 * count
+    moments = MOMENTS * sum(moment_size(p.numel(), moment_bytes) for p in trained)
     if offload:  # hivemind's offloaded optimizer: fp32 master copy, moments, averaged gradients, all on the host
         return MemoryNeed(device=stored + gradients, host=4 * count + moments + 4 * count, gradients=gradients)
     return MemoryNeed(device=stored + gradients + moments, host=0, workspace=STEP_WORKSPACE * 4 * count,

@@ -56,6 +56,7 @@ from typing import Optional
 
 from dedloc_common.contract import GRADIENT_PART_BYTES, RunConfig, outer_batch_of
 
+from dedloc_worker.errors import ConfigError
 from dedloc_worker.training.local_updates import LocalUpdatesOptimizer
 from dedloc_worker.training.optimizer import AccountedOptimizer
 
@@ -68,9 +69,21 @@ def inner_optimizer(options):
         from pytorch_optimizer import Lamb
 
         return functools.partial(Lamb, lr=options.lr, weight_decay=options.weight_decay)
+    if options.name == "adamw-8bit":  # moments in 8 bits: a quarter of their memory (Dettmers et al. 2022)
+        bnb = quantization_library("optimizer adamw-8bit")
+        return functools.partial(bnb.optim.AdamW8bit, lr=options.lr, weight_decay=options.weight_decay)
     if options.name == "adam":
         return functools.partial(torch.optim.Adam, lr=options.lr, weight_decay=options.weight_decay)
     return functools.partial(torch.optim.AdamW, lr=options.lr, weight_decay=options.weight_decay)
+
+
+def quantization_library(what: str):
+    """bitsandbytes, or ``ConfigError`` in one line saying how to install it (an optional extra of the worker)."""
+    try:
+        import bitsandbytes
+    except ImportError:
+        raise ConfigError(f"this run's {what} needs bitsandbytes: pip install 'dedloc-worker[quantization]'") from None
+    return bitsandbytes
 
 
 def scheduler_factory(options):
@@ -202,8 +215,6 @@ def restore(optimizer, state: dict) -> None:
 
     averager = optimizer.state_averager
     if hasattr(averager, "outer"):  # local updates: the outer state; the inner optimizer starts afresh
-        from dedloc_worker.errors import ConfigError
-
         outer = state.get("outer")
         if outer is None:
             raise ConfigError("the checkpoint holds no outer optimizer state: it comes from a large-batch run")
@@ -218,8 +229,6 @@ def restore(optimizer, state: dict) -> None:
         return
     params = [p for group in averager.optimizer.param_groups for p in group["params"]]
     if len(params) != len(state["parameters"]):
-        from dedloc_worker.errors import ConfigError
-
         raise ConfigError(f"the checkpoint holds {len(state['parameters'])} tensors, this run's model {len(params)}; "
                           "it belongs to another model")
     with torch.no_grad(), averager.lock_averaged_tensors:
