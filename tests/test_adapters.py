@@ -184,4 +184,4 @@ def test_without_bitsandbytes_a_quantized_run_is_one_line_that_says_what_to_inst
                                    files=paths)):
         with pytest.raises(ConfigError) as refused:
             build()
-        assert "\n" not in str(refused.value) and "pip install 'dedloc-worker[quantization]'" in str(refused.value)
+        assert "\n" not in str(refused.value) and "pip install 'bitsandbytes>=0.48'" in str(refused.value)

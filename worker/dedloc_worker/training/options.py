@@ -82,7 +82,7 @@ def quantization_library(what: str):
     try:
         import bitsandbytes
     except ImportError:
-        raise ConfigError(f"this run's {what} needs bitsandbytes: pip install 'dedloc-worker[quantization]'") from None
+        raise ConfigError(f"this run's {what} needs bitsandbytes: pip install 'bitsandbytes>=0.48'") from None
     return bitsandbytes
 
 
