@@ -24,7 +24,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-from dedloc_worker.errors import ResourceError
+from dedloc_worker.errors import ResourceError, TrainingError, WorkerError
 
 MOMENTS = 2  # float32 tensors per trained parameter in Adam, AdamW and LAMB
 BNB_MIN_8BIT, BNB_BLOCK = 4096, 256  # bitsandbytes' 8-bit optimizers: min_8bit_size and the blockwise block
@@ -104,6 +104,11 @@ def probe(task, micro_batch: int) -> Activations:
                                         "memory: use a larger GPU, --device cpu, or ask the organizers for an "
                                         "adapter run") from None
                 break
+            except WorkerError:
+                raise
+            except Exception as e:  # a task is a plugin: one line, as a failing mini-step is (training.loop)
+                raise TrainingError(f"task {type(task).__name__} failed while its memory was measured: "
+                                    f"{type(e).__name__}: {e}") from e
             finally:
                 task.model.zero_grad(set_to_none=True)
             held[n] = tensors.peak
