@@ -12,6 +12,9 @@
    needs root; a "skipped" row elsewhere): ``robust_cost.json`` and ``robust_cost.md``.
 4c. Large-batch against local-updates (DiLoCo) on emulated slow links: efficiency, bytes per sample, held-out loss
    (``bench.local_updates``, needs root; a "skipped" row elsewhere): ``local_updates.json`` and ``local_updates.md``.
+4d. The GPU path's CPU half (``bench.gpu --device cpu``): the worker's tasks, an adapter and a two-worker swarm on
+   the CPU, and the memory the worker predicts against the peak: ``gpu.json`` and ``gpu.md`` (their CUDA section, from
+   ``make bench-gpu``, is kept).
 5. Load on a deployment: PostgreSQL, two web processes, thousands of viewers (``bench.load``): ``load.json``,
 ``load.md``. 6. The paper's equivalence claim, a two-peer swarm against one process (``bench.equivalence``):
 ``equivalence.json``
@@ -40,6 +43,7 @@ from bench import (
     demo,
     emulate_averaging,
     equivalence,
+    gpu,
     leave,
     load,
     local_updates,
@@ -75,6 +79,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     code = training.main(["--out", str(RESULTS / "training.json")])
     code = code or robust_cost.main(["--out", str(RESULTS / "robust_cost.json")])
     code = code or local_updates.main(["--out", str(RESULTS / "local_updates.json")])
+    code = code or gpu.main(["--device", "cpu", "--out", str(RESULTS / "gpu.json")])
     code = code or load.main(["--out", str(RESULTS / "load.json")])
     code = code or equivalence.main(["--out", str(RESULTS / "equivalence.json")])
     code = code or spot_checks.main(["--out", str(RESULTS / "spot_checks.json")])

@@ -37,6 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -69,6 +70,7 @@ CONFIGS = [("tiny-lm", 4096, DEFAULTS.delay_optimizer_step, DEFAULTS.compression
 PARTIAL = re.compile("|".join(re.escape(line.split("% ", 1)[1]) for line in (PART_LATE, RESULTS_LATE)))
 # A worker prints this line as it enters epoch N.
 EPOCH_LINE = re.compile(r"^epoch (\d+) \|", re.MULTILINE)
+LOSS_LINE = re.compile(r"last epoch's loss ([0-9.]+)")  # dedloc_worker.progress's line, "n/a" before a first epoch
 # The efficiency the bench's fit reports the global batch for.
 GOAL = 0.85
 
@@ -126,8 +128,13 @@ def solo_main(task_name: str, target: int, seconds: float, corpus: Path, device:
 
 
 def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds: float, corpus: Path,
-               device: str = "cpu") -> dict:
-    spec = TASKS[task_name]
+               device: str = "cpu", spec: dict | None = None, batch: int = BATCH,
+               during: Callable[[list[int], float], dict] | None = None, checkpoints: dict | None = None) -> dict:
+    """The swarm's row: ``spec`` (as ``TASKS``' entries) instead of ``TASKS[task_name]``, ``batch`` samples per
+    mini-step, ``checkpoints`` options over the run's (no checkpoint within the bench); ``during(worker pids,
+    seconds)`` spends the window in place of a sleep, and what it returns joins the row (bench.gpu reads the workers'
+    memory there)."""
+    spec = spec or TASKS[task_name]
     work = Path(tempfile.mkdtemp(prefix="dedloc-bench-"))
     port = free_port()
     env = {"DEDLOC_DATA_DIR": str(work / "var"), "DEDLOC_PORT": str(port), "DATABASE_URL": ""}
@@ -136,7 +143,8 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
                  "compression": compression}
     create = [sys.executable, "-m", "app.cli", "create-run", "bench", "--task", spec["task"], "--task-options",
               json.dumps(spec["options"]), "--target-batch-size", str(target), "--batch-size",
-              str(BATCH), "--optimizer", json.dumps(optimizer), "--checkpoints", json.dumps({"every_epochs": 10**6})]
+              str(batch), "--optimizer", json.dumps(optimizer),
+              "--checkpoints", json.dumps({"every_epochs": 10**6, **(checkpoints or {})})]
     if spec["files"]:
         create += ["--file", str(corpus / "train.txt"), "--file", str(corpus / "eval.txt")]
     subprocess.run(create, env={**os.environ, **env}, check=True, capture_output=True)
@@ -162,14 +170,16 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
         workers, servers = [proc.pid for proc in started[2:]], [proc.pid for proc in started[:2]]
         begin, t0, cpu0 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
         window_began = time.time()
-        time.sleep(seconds)
+        watched = during(workers, seconds) if during else {}
+        if during is None:
+            time.sleep(seconds)
         last = logged_epoch(log)
         wait(lambda: logged_epoch(log) > last, 300, poll=0.05)
         end, t1, cpu1 = logged_epoch(log), time.monotonic(), (tree_cpu(workers), tree_cpu(servers))
         window_ended = time.time()
         # The window's epochs in each worker's log: a round lost at a peer's joining, before it, does not count.
-        sections = [text for i in range(PEERS) for number, text in epoch_sections((work / f"peer{i}.log").read_text())
-                  if begin <= number < end]
+        logs = [(work / f"peer{i}.log").read_text() for i in range(PEERS)]
+        sections = [text for log_text in logs for number, text in epoch_sections(log_text) if begin <= number < end]
         claimed = claimed_per_epoch(env, begin, end)
         checks = spot_checks_within(env, window_began, window_ended)
         stopped = ctrl_c(started[-1])
@@ -181,7 +191,7 @@ def swarm_rate(task_name: str, target: int, dpu: bool, compression: str, seconds
                     spot_checks=checks,
                     workers_cores=round((cpu1[0] - cpu0[0]) / (t1 - t0), 3),
                     coordinator_and_portal_cores=round((cpu1[1] - cpu0[1]) / (t1 - t0), 3),
-                    ctrl_c_seconds=stopped)
+                    ctrl_c_seconds=stopped, worker_losses=[logged_losses(text) for text in logs], **watched)
     finally:
         stop_all(started[2:])
         stop_all(started[:2])
@@ -278,6 +288,12 @@ def epoch_sections(log: str) -> list[tuple[int, str]]:
     starts = list(EPOCH_LINE.finditer(log))
     ends = [found.start() for found in starts[1:]] + [len(log)]
     return [(int(found[1]), log[found.start():stop]) for found, stop in zip(starts, ends)]
+
+
+def logged_losses(log: str) -> list[float] | None:
+    """[first, last] of the epoch losses a worker's log printed ("last epoch's loss X"); None before it printed one."""
+    losses = [float(found) for found in LOSS_LINE.findall(log)]
+    return [losses[0], losses[-1]] if losses else None
 
 
 def logged_epoch(log: Path) -> int:
