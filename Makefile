@@ -53,7 +53,7 @@ check: setup
 bench: setup
 	$(BIN)/python -m bench
 
-# The GPU path on a CUDA machine, sized to finish within 8 minutes on an H100 (bench/results/gpu.md); one line and exit
+# The GPU path on a CUDA machine, sized for 8 minutes on an H100 but not yet run on one (bench/results/gpu.md); one line and exit
 # code 2 where torch has no CUDA. Its CPU half runs in `make bench`.
 bench-gpu: setup
 	$(BIN)/python -m bench.gpu --device cuda
