@@ -11,7 +11,9 @@ LM of about 1 B parameters, and the memory the worker predicts against the peak 
    CPU): with the base stored as the worker holds it (float32), and cast to the autocast dtype (CUDA only).
 3. The memory estimate (``training.memory``: ``estimate``, ``probe``, ``peak``) against the measured peak, in every
    trial: ``torch.cuda.max_memory_allocated`` on CUDA, the growth of peak RSS on a CPU (``bench.gpu_trial``).
-4. A swarm (``bench.training.swarm_rate``: a portal, the run's coordinator and two workers, real processes on
+4. float16 with hivemind's GradScaler, an overflow forced (CUDA only, ``bench.gpu_fp16``): the scale shrinks, the
+   mini-step is not counted, the epoch closes with the later samples and the step is taken.
+5. A swarm (``bench.training.swarm_rate``: a portal, the run's coordinator and two workers, real processes on
    loopback, no spot checks) on one device against one solo process of the same task and batch, before and after
    it: samples/s, each worker's peak memory, the loss each worker's log printed at its first and last epoch.
 
@@ -219,6 +221,7 @@ def measure(device: str) -> dict:
     try:
         write_corpus(corpus)
         trials = [trial(corpus, device, config) for config in TRIALS[device]]
+        fp16 = fp16_overflow() if device == "cuda" else None
         try:
             swarm = swarm_against_solo(corpus, device)
         except (RuntimeError, subprocess.SubprocessError) as e:  # the swarm never got there: the trials still count
@@ -228,7 +231,17 @@ def measure(device: str) -> dict:
     hardware = next((row["hardware"] for row in trials if "hardware" in row), device)
     return dict(hardware=hardware, torch=torch_version(), commit=commit(), date=time.strftime("%Y-%m-%d"),
                 seconds=round(time.monotonic() - began), load_before_and_after=[load, round(os.getloadavg()[0], 2)],
-                trials=trials, swarm=swarm)
+                trials=trials, swarm=swarm, fp16_overflow=fp16)
+
+
+def fp16_overflow() -> dict:
+    """``bench.gpu_fp16`` in a process of its own: float16 and hivemind's GradScaler on CUDA, an overflow forced."""
+    done = subprocess.run([sys.executable, "-m", "bench.gpu_fp16"], capture_output=True, text=True,
+                          timeout=TRIAL_TIMEOUT)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        return dict(error=f"exit {done.returncode}: {(done.stderr.strip().splitlines() or [''])[-1]}")
+    return json.loads(lines[-1])
 
 
 def torch_version() -> str:
@@ -249,6 +262,10 @@ def failures(section: dict) -> list[str]:
     found = [f"{row['name']}: {row['error']}" for row in rows if "error" in row]
     found += [f"{row['name']}: the loss did not fall ({row['loss_start']} -> {row['loss_end']})"
               for row in section["trials"] if "error" not in row and row["loss_end"] >= row["loss_start"]]
+    fp16 = section.get("fp16_overflow")
+    if fp16 is not None and ("error" in fp16 or not (fp16["overflow_rejected"] and fp16["scale_after"] <
+                                                     fp16["scale_before"] and fp16["stepped"])):
+        found.append(f"float16 overflow on CUDA: {fp16}")
     swarm = section["swarm"]
     found += [f"{swarm['name']}: a worker's loss did not fall ({losses})" for losses in swarm.get("worker_losses", [])
               if not losses or losses[1] >= losses[0]]

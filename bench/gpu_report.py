@@ -36,7 +36,21 @@ def section(kind: str, run: dict) -> list[str]:
     lines += adapters([row for row in run["trials"] if "error" not in row and row["trained_parameters"] <
                        row["parameters"]])
     lines += swarm(run["swarm"], kind)
+    lines += fp16(run.get("fp16_overflow"))
     return lines
+
+
+def fp16(row) -> list[str]:
+    if row is None:
+        return []
+    lines = ["### float16 with hivemind's GradScaler, an overflow forced", ""]
+    if "error" in row:
+        return lines + [f"Failed: {row['error']}", ""]
+    return lines + [f"Scale {row['scale_before']:g} before, {row['scale_after']:g} after the overflow; the overflowed "
+                    f"mini-step {'rejected' if row['overflow_rejected'] else 'ACCEPTED'} and counted "
+                    f"{row['overflow_counted']} times; the epoch then closed with {row['epoch_samples']} samples from "
+                    f"{row['mini_steps_after']} mini-steps; the step was {'taken' if row['stepped'] else 'NOT taken'}.",
+                    ""]
 
 
 def trials(rows: list[dict], kind: str) -> list[str]:

@@ -1,6 +1,6 @@
 """float16 training with hivemind's GradScaler, on the CPU with a forced overflow: the scale shrinks after it, the
 rejected mini-step is neither counted nor sketched, the epoch's dropped gradients are dropped from its claim too,
-and training goes on (bench/gpu.py repeats this on CUDA with autocast)."""
+and training goes on (bench/gpu_fp16.py repeats this on CUDA with autocast, in `make bench-gpu`)."""
 
 from __future__ import annotations
 
