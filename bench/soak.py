@@ -81,6 +81,7 @@ LINK_DROP_SECONDS = 30.0
 # Tokens are renewed at half-life, so at an outage's start each is 0-60 s old and expires 60-120 s later: a 90 s
 # outage outlives about half of them
 TOKEN_LIFETIME, LONG_OUTAGE_SECONDS = 120.0, 90.0
+OUTAGE_RUN_SECONDS = 600.0  # runs this long or longer have the long outage
 EXPIRED_LINE = "token expired and the portal cannot renew it"  # dedloc_worker.admission.keeper's line
 # Volunteers' access links, Mbit/s down and up, given in turn: fibre, cable, DSL. The even-numbered workers are open
 # hosts, the odd-numbered ones sit behind a home router (NAT) and become client-mode peers by themselves.
@@ -180,17 +181,21 @@ class Soak:
 
 def schedule(seed: int, seconds: float) -> list[tuple[float, str]]:
     """(seconds from the start, event) drawn from ``seed``: exponential gaps of mean ``EVENT_SECONDS``, one ban at
-    about the middle."""
+    about the middle. A run of ``OUTAGE_RUN_SECONDS`` or more has its long portal outage at a quarter of the run and
+    no portal restart after it: the portal that comes back lives three quarters of the run, long enough for its RSS
+    to be fitted past its own warm-up (restarts every few minutes left no instance that did)."""
     rng, at, events = random.Random(seed), 0.0, []
     kinds, weights = zip(*EVENTS)
+    outage_at = seconds / 4 if seconds >= OUTAGE_RUN_SECONDS else None
     while True:
         at += rng.expovariate(1 / EVENT_SECONDS)
         if at >= seconds - 60:  # the last minute runs undisturbed before the workers leave
             break
-        events.append((at, rng.choices(kinds, weights)[0]))
+        event = rng.choices(kinds, weights)[0]
+        if not (event == "restart-portal" and outage_at is not None and at >= outage_at):
+            events.append((at, event))
     events.append((seconds / 2, "ban"))
-    outage_at = min(2 * seconds / 3, seconds - 180 - LONG_OUTAGE_SECONDS)  # over two minutes before the end
-    if outage_at >= seconds / 2 + 30:
+    if outage_at is not None:
         events.append((outage_at, "portal-outage"))
     return sorted(events)
 
