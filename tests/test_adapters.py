@@ -63,14 +63,7 @@ def test_only_the_adapter_trains_and_its_checkpoint_loads_on_the_base_and_merged
     assert sum(p.numel() for p in adapter) < total / 5  # 8,192 of 67,712 here
     base_before = {name: p.detach().clone() for name, p in task.model.named_parameters() if not p.requires_grad}
 
-    before = task.evaluate()
-    optimizer = torch.optim.AdamW(adapter, lr=1e-2)
-    for _ in range(40):
-        task.batch_loss(16).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    after = task.evaluate()
-    assert after < before - 0.05, (before, after)
+    before, after = train_adapter(task)
     assert all(torch.equal(p, base_before[name]) for name, p in task.model.named_parameters() if not p.requires_grad)
 
     task.save(tmp_path / "checkpoint")
@@ -81,6 +74,21 @@ def test_only_the_adapter_trains_and_its_checkpoint_loads_on_the_base_and_merged
     merged = CausalLM(options, seed=99, files=paths)
     merged.model = AutoModelForCausalLM.from_pretrained(tmp_path / "checkpoint" / MERGED_FOLDER)
     assert abs(merged.evaluate() - after) < 1e-4  # merging adds B @ A into the weights: float rounding only
+
+
+def train_adapter(task) -> tuple[float, float]:
+    """The held-out loss before and after 40 steps of the task's trainable parameters, which must have learned."""
+    from dedloc_worker.tasks.adapters import trainable
+
+    before = task.evaluate()
+    optimizer = torch.optim.AdamW(trainable(task.model), lr=1e-2)
+    for _ in range(40):
+        task.batch_loss(16).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    after = task.evaluate()
+    assert after < before - 0.05, (before, after)
+    return before, after
 
 
 def test_an_adapter_on_modules_the_model_lacks_is_one_clear_error(adapter_run):
@@ -149,14 +157,7 @@ def test_a_4_bit_base_holds_a_fraction_of_the_memory_and_its_adapter_trains_and_
     need = memory.estimate(task.model.parameters(), trainable(task.model), offload=False)
     assert need.device < memory.estimate(plain.model.parameters(), trainable(plain.model), offload=False).device
 
-    before = task.evaluate()
-    optimizer = torch.optim.AdamW(trainable(task.model), lr=1e-2)
-    for _ in range(40):
-        task.batch_loss(16).backward()
-        optimizer.step()
-        optimizer.zero_grad()
-    after = task.evaluate()
-    assert after < before - 0.05, (before, after)
+    before, after = train_adapter(task)
 
     task.save(tmp_path / "checkpoint")
     on_quantized = CausalLM(quantized_options, seed=7, files=paths)  # the quantized base, as a peer builds it

@@ -21,6 +21,7 @@ from dedloc_common.tasks import validate_task
 
 from app.cli.demo import write_corpus
 from app.runs import files as run_files
+from tests.support.factories import LocalSteps
 
 MIB = 1024**2
 OVERHEAD = 192 * MIB  # a CPU process's memory besides its tensors (see the module's docstring)
@@ -97,7 +98,7 @@ def test_a_mini_batch_that_does_not_fit_is_trained_in_accumulated_micro_batches(
     for micro in (micro_batch, None):  # accumulated, and the whole mini-batch at once
         model_copy = predicted(options, files, 8)[0]
         tally = loop.open_epoch(model_copy, config, "a" * 64, 5)
-        loop.mini_step(model_copy, config, _Steps(model_copy.model), tally, micro_batch=micro)
+        loop.mini_step(model_copy, config, LocalSteps(model_copy.model), tally, micro_batch=micro)
         sums.append(torch.cat([t.reshape(-1) for t in tally.gradients.tensors]))
         assert tally.mini_steps == 1
     assert torch.allclose(sums[0], sums[1], rtol=1e-4, atol=1e-6), (sums[0] - sums[1]).abs().max()
@@ -116,17 +117,3 @@ def test_a_run_that_fits_no_micro_batch_is_one_line(causal_lm):
     message = str(refused.value)
     assert "\n" not in message and "at one sample per micro-batch" in message and refused.value.exit_code == 8
     assert "adapter run" in message
-
-
-class _Steps:
-    """The optimizer's side of a mini-step, as a large-batch run's hivemind optimizer would take it here: nothing
-    stepped, the gradients kept for the tally."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def step(self, **kwargs):
-        pass
-
-    def zero_grad(self):
-        self.model.zero_grad(set_to_none=True)

@@ -39,6 +39,7 @@ from app.runs import registry
 from app.web.main import create_app
 from tests.support.actors import FLIPPER
 from tests.support.credit import Peer, aged_run, claim, totals
+from tests.support.factories import LocalSteps
 from tests.support.harness import wait_for
 from tests.support.portal import form_token
 
@@ -76,19 +77,6 @@ def test_the_verdict_passes_an_honest_sketch_and_names_the_evidence_against_a_wr
         verdict = judge(garbage, sketch(truth), 4.0, 4.0)
         assert not verdict.passed and "sketch" in verdict.evidence
     assert decode_sketch(sketch(truth)) == pytest.approx(truth, rel=1e-3, abs=1e-3)
-
-
-class LocalSteps:
-    """Stands in for hivemind's optimizer where one peer trains alone: mini_step only steps and zeroes."""
-
-    def __init__(self, model):
-        self.model = model
-
-    def step(self, **_):
-        pass
-
-    def zero_grad(self):
-        self.model.zero_grad(set_to_none=True)
 
 
 @pytest.mark.parametrize("clip", [None, 0.5])

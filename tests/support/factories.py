@@ -86,3 +86,20 @@ def peer_token(authority, username: str, peer_key: RSAPrivateKey, lifetime: floa
     signature = sign(authority, token_payload(username, public_key, expiration_time))
     return AccessToken(username=username, public_key=public_key, expiration_time=expiration_time,
                        signature=signature.encode())
+
+
+# training --------------------------------------------------------------------------------------------------------
+
+
+class LocalSteps:
+    """Stands in for hivemind's optimizer where one peer trains alone: ``training.loop.mini_step`` only steps and
+    zeroes (the gradients stay in the tally's sketch)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def step(self, **_):
+        pass
+
+    def zero_grad(self):
+        self.model.zero_grad(set_to_none=True)
