@@ -4,6 +4,7 @@ one that broke off because of a fault in our code keeps its traceback. Real hive
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import io
 import logging
@@ -11,7 +12,7 @@ import subprocess
 import sys
 
 import pytest
-from dedloc_worker.terminal import BROKE_OFF, ExpectedEvents, ShutdownNoise
+from dedloc_worker.terminal import BROKE_OFF, CALLED_OFF, ExpectedEvents, ShutdownNoise
 from hivemind.averaging.matchmaking import MatchmakingException
 
 
@@ -38,6 +39,28 @@ def logged(inner: BaseException) -> str:
 def test_a_round_a_peer_broke_off_is_one_line(inner):
     text = logged(inner)
     assert text.strip() == BROKE_OFF and "Traceback" not in text
+
+
+def test_a_round_called_off_before_its_group_formed_is_one_line():
+    """hivemind's _step logs the CancelledError of a round whose trigger was cancelled while it looked for a group
+    as it is, not wrapped (seed 11's soak, as a link went down)."""
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    handler.addFilter(ExpectedEvents())
+    logger = logging.getLogger("test-terminal-called-off")
+    logger.addHandler(handler)
+    logger.propagate = False
+    for error in (asyncio.CancelledError(), ValueError("a fault of ours")):  # the second: control, keeps its traceback
+        try:
+            try:
+                raise concurrent.futures.CancelledError()  # hivemind's MPFuture, cancelled
+            except concurrent.futures.CancelledError:
+                raise error  # noqa: B904 (as hivemind's MPFuture.__await__ raises it)
+        except (asyncio.CancelledError, ValueError) as e:
+            logger.exception(e)
+    lines = out.getvalue()
+    assert lines.startswith(CALLED_OFF + "\n") and lines.count("Traceback") == 2  # the control's (both chained)
+    assert "ValueError: a fault of ours" in lines
 
 
 def test_a_round_our_code_broke_keeps_its_traceback():
