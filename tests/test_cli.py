@@ -104,6 +104,7 @@ def test_create_run_refuses_a_bad_slug(tmp_path):
     ('{"algorithm": "gossip"}', "optimizer.algorithm: Input should be 'large-batch' or 'local-updates'"),
     ('{"algorithm": "local-updates", "outer_batch_size": 0}', "optimizer.outer_batch_size: Input should be greater"),
     ('{"algorithm": "local-updates", "outer_lr": -0.7}', "optimizer.outer_lr: Input should be greater than 0"),
+    ('{"name": "adamw-4bit"}', "optimizer.name: Input should be 'adam', 'adamw', 'adamw-8bit' or 'lamb'"),
 ])
 def test_create_run_refuses_bad_optimizer_options(tmp_path, options, named):
     done = run("-m", "app.cli", "create-run", "ok", "--optimizer", options, env={"DEDLOC_DATA_DIR": str(tmp_path)})

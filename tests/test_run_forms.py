@@ -71,9 +71,9 @@ def test_an_organizer_creates_a_run_with_its_files_and_becomes_its_organizer(app
     assert not any((tmp_path / "uploads").iterdir())  # the upload's scratch folder is gone
 
 
-def task_with(model: dict, data: dict | None = None) -> str:
+def task_with(model: dict, data: dict | None = None, **extra) -> str:
     return json.dumps({"model": {**EXAMPLE_MODEL, **model}, "data": data or {"files": ["train.txt"]},
-                       "tokenizer": {"train": {"vocab_size": 200}}, "sequence_length": 64})
+                       "tokenizer": {"train": {"vocab_size": 200}}, "sequence_length": 64, **extra})
 
 
 @pytest.mark.parametrize("task_options, uploads, named", [
@@ -83,6 +83,8 @@ def task_with(model: dict, data: dict | None = None) -> str:
      "task_options.data.text_column"),
     (task_with({}, {"files": ["train.jsonl"]}), {"train.jsonl": b'{"text": "a line"}\n{broken\n'},
      "task_options.data: train.jsonl is not well-formed jsonl"),
+    (task_with({}, adapter={"rank": 0}), None, "task_options.adapter.rank"),
+    (task_with({}, adapter={"rank": 8, "base_bits": 3}), None, "task_options.adapter.base_bits"),
 ])
 def test_a_bad_task_option_is_named_the_form_kept_and_nothing_stored(app, sessions, tmp_path, task_options,
                                                                      uploads, named):
