@@ -163,7 +163,7 @@ def _join(args, stop, folder: Path, placement):
                            display.update, receipts, follower, args.aux, hardware=placement.description,
                            watch=watch, resume=resume, reachability=reachability, admitted_at=admitted_at,
                            outbox=outbox, expired=keeper.expired,
-                           micro_batch=micro_batch if micro_batch != config.batch_size else None, memory=report)
+                           micro_batch=micro_batch, memory=report)
         if keeper.failure:
             raise AdmissionError(keeper.failure)
         result.username, result.peer_id = username, identity.peer_id

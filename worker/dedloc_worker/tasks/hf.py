@@ -42,7 +42,8 @@ class HFTask:
         self.autocast: Optional[torch.dtype] = None
         # an adapter run's base quantized by bitsandbytes (4 or 8 bits), or as stored (None)
         self.base_bits: Optional[int] = (self.options.get("adapter") or {}).get("base_bits")
-        self.model = self.build_model(seed)
+        self.train_stream = None  # created on first use: loading data is the slow part of a join
+        self.model = self.build_model(seed, self.base_bits)
         if self.options.get("gradient_checkpointing"):
             if not self.model.supports_gradient_checkpointing:
                 raise ConfigError(f"task_options.gradient_checkpointing: {type(self.model).__name__} does not "
@@ -63,11 +64,7 @@ class HFTask:
 
     def unquantized_base(self):
         """The base as its weights are stored, not quantized: what a quantized run's merged export is merged into."""
-        bits, self.base_bits = self.base_bits, None
-        try:
-            return self.build_model(self.seed)
-        finally:
-            self.base_bits = bits
+        return self.build_model(self.seed, bits=None)
 
     @property
     def reseedable(self) -> bool:
@@ -164,18 +161,18 @@ class HFTask:
 class TextTask(HFTask):
     """Text tasks: the tokenizer, then samples of ``sequence_length`` tokens packed from consecutive texts."""
 
-    def build_model(self, seed: int):
+    def build_model(self, seed: int, bits: Optional[int] = None):
         import transformers
 
-        self.tokenizer = self.load_tokenizer()
+        if getattr(self, "tokenizer", None) is None:  # a second build (an unquantized base) reuses it
+            self.tokenizer = self.load_tokenizer()
         config = dict(self.options["model"])
         config.setdefault("vocab_size", len(self.tokenizer))
         for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
             token = getattr(self.tokenizer, name.replace("_id", ""), None)
             if token is not None:
                 config.setdefault(name, self.tokenizer.convert_tokens_to_ids(token))
-        self.train_stream = None  # created on first use: loading data is the slow part of a join
-        return build(self.auto_class(transformers), config, self.options.get("pretrained"), seed, self.base_bits)
+        return build(self.auto_class(transformers), config, self.options.get("pretrained"), seed, bits)
 
     def batch_loss(self, batch_size: int) -> torch.Tensor:
         if self.train_stream is None:
@@ -268,14 +265,12 @@ class ImageClassification(HFTask):
 
     kind = spec.IMAGE_CLASSIFICATION
 
-    def build_model(self, seed: int):
+    def build_model(self, seed: int, bits: Optional[int] = None):
         import transformers
 
         config = dict(self.options["model"])
         config.setdefault("image_size", self.options["image_size"])
-        self.train_stream = None
-        return build(transformers.AutoModelForImageClassification, config, self.options.get("pretrained"), seed,
-                     self.base_bits)
+        return build(transformers.AutoModelForImageClassification, config, self.options.get("pretrained"), seed, bits)
 
     def batch_loss(self, batch_size: int) -> torch.Tensor:
         if self.train_stream is None:

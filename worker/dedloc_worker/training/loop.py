@@ -112,8 +112,8 @@ def train(
       loop's recent claims alone)
     :param reachability: how this peer's mode was decided (``contract.REACHABILITY``), for its metrics record
     :param admitted_at: ``time.monotonic()`` from which peers know this peer's token: no call to them before it
-    :param micro_batch: samples per forward and backward, where fewer than ``config.batch_size`` fit this device
-      (``mini_step``)
+    :param micro_batch: samples per forward and backward (``memory.choose_micro_batch``: ``config.batch_size``, or
+      fewer where that does not fit this device; ``mini_step``)
     :param memory: what this run needs in memory on this peer's device, for its metrics record (the join page)
     :param expired: set while this peer's token has expired and cannot be renewed (``admission.keeper``): peers
       refuse it, so it trains nothing meanwhile

@@ -115,7 +115,7 @@ def probe(task, micro_batch: int) -> Activations:
     if len(held) < 2:
         (n, bytes_), = held.items()
         return Activations(fixed=0, per_sample=-(-bytes_ // n))
-    (small, at_small), (large, at_large) = sorted(held.items())[:1] + sorted(held.items())[-1:]
+    (small, at_small), (large, at_large) = min(held.items()), max(held.items())
     per_sample = max(0, (at_large - at_small) // (large - small))
     return Activations(fixed=max(0, at_small - per_sample * small), per_sample=per_sample)
 
